@@ -1,0 +1,53 @@
+# make test : set up everything on a fresh machine, then run the C++ and Python tests.
+# make demo : set up, then run the main job (python -m causal_attention demo).
+SHELL := /bin/bash
+PY    := .venv/bin/python
+PIP   := $(PY) -m pip
+BUILD := build/py
+export OMP_NUM_THREADS ?= 2
+
+CMAKE_DEFINES := -C cmake.define.CA_BUILD_TESTS=ON -C cmake.define.CA_BUILD_BENCHMARKS=ON
+
+.PHONY: all setup install test test-cpp test-py demo bench sanitize clean
+
+all: test
+
+# Debian packages for the C++ tests and benchmarks (root here and in CI).
+build/.system-deps:
+	@mkdir -p build
+	@if [ ! -f /usr/include/gtest/gtest.h ] || [ ! -f /usr/include/benchmark/benchmark.h ]; then \
+	  echo "installing libgtest-dev libbenchmark-dev"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev libbenchmark-dev >/dev/null; \
+	fi
+	@touch $@
+
+# The virtual environment: torch pinned to the CPU wheel on disk, then the build and test tools.
+.venv/.deps-stamp: pyproject.toml
+	@test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q "scikit-build-core>=0.10" cmake ninja numpy "pytest>=8" "hypothesis>=6" \
+	  "rich>=13" "matplotlib>=3.7" "safetensors>=0.4" "tqdm>=4.66"
+	@touch $@
+
+setup: build/.system-deps .venv/.deps-stamp
+
+# Builds the engine (and its C++ tests and benchmarks) with CMake through scikit-build-core.
+install: setup
+	$(PIP) install -q --no-build-isolation --no-deps $(CMAKE_DEFINES) .
+
+test-cpp: install
+	ctest --test-dir $(BUILD) --output-on-failure
+
+test-py: install
+	$(PY) -m pytest tests
+
+test: test-cpp test-py
+
+demo: install
+	$(PY) -m causal_attention check
+
+bench: install
+	$(PY) -m causal_attention bench
+
+clean:
+	rm -rf build demo_out

@@ -1,0 +1,42 @@
+// The attention core as a composition of ATen operations. It runs on any device and gets its
+// backward from ATen's autograd; the fused CPU kernel (flash.cpp) is the fast path on CPU.
+#include "causal_attention/attention.h"
+
+namespace causal_attention::kernels {
+
+at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
+                               int64_t n_heads) {
+  check_qkv(qkv, n_heads);
+  const int64_t B = qkv.size(0);
+  const int64_t T = qkv.size(1);
+  const int64_t dim = qkv.size(2) / 3;
+  const int64_t hd = dim / n_heads;
+  const auto parts = qkv.unflatten(2, {3, n_heads, hd});  // (B, T, 3, H, hd)
+  const auto q = parts.select(2, 0).transpose(1, 2);      // (B, H, T, hd)
+  const auto k = parts.select(2, 1).transpose(1, 2);      // (B, H, T, hd)
+  const auto v = parts.select(2, 2).transpose(1, 2);      // (B, H, T, hd)
+
+  at::Tensor out;  // (B, H, T, hd)
+  if (!key_padding_mask.has_value()) {
+    out = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/std::nullopt, /*dropout_p=*/0.0,
+                                           /*is_causal=*/true);
+  } else {
+    const auto& mask = *key_padding_mask;  // (B, T) bool, True = real
+    TORCH_CHECK_VALUE(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == B &&
+                          mask.size(1) == T,
+                      "key_padding_mask must be a bool tensor of shape (B, T) = (", B, ", ", T, "); got ",
+                      mask.scalar_type(), " of shape ", mask.sizes());
+    const auto opts = mask.options();
+    const auto causal = at::ones({T, T}, opts).tril();               // (T, T)
+    auto allowed = causal.unsqueeze(0).logical_and(mask.unsqueeze(1));  // (B, T, T)
+    // A query has an allowed key iff some key 0..t is real.
+    const auto has_key = mask.cumsum(1, at::kInt).gt(0);              // (B, T)
+    // A row with no allowed key would be all -inf (NaN): let it see its own key, then zero it.
+    allowed = allowed.logical_or(has_key.logical_not().unsqueeze(2).logical_and(at::eye(T, opts)));
+    out = at::scaled_dot_product_attention(q, k, v, allowed.unsqueeze(1), 0.0, false);
+    out = out.masked_fill(has_key.logical_not().view({B, 1, T, 1}), 0);
+  }
+  return out.transpose(1, 2).reshape({B, T, dim});  // (B, T, H, hd) -> (B, T, dim)
+}
+
+}  // namespace causal_attention::kernels

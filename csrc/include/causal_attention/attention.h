@@ -1,0 +1,39 @@
+// causal_attention: the attention core of a GPT-style causal self-attention layer.
+//
+// Shapes (B = batch, T = sequence length, H = heads, hd = head_dim, dim = H * hd):
+//   qkv               (B, T, 3 * dim)   the output of the qkv projection, split q | k | v;
+//                                       head h uses columns h*hd:(h+1)*hd of each third.
+//   key_padding_mask  (B, T) bool       True = real token, False = padding (never attended to).
+//   result            (B, T, dim)       heads joined back, ready for the output projection.
+//
+// Query t attends keys 0..t that are real; scores are q.k / sqrt(hd), masked scores are -inf
+// before the softmax, and a query with no allowed key gives 0 (never NaN).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace causal_attention {
+
+// Validates (qkv, n_heads) for the attention core: 3-D, floating, last dim = 3 * n_heads * hd.
+void check_qkv(const at::Tensor& qkv, int64_t n_heads);
+
+// Validates a user key padding mask against x (B, T, dim) and returns it as a bool (B, T)
+// tensor (an integer 0/1 mask means the same as bool; a float mask is ambiguous: TypeError).
+std::optional<at::Tensor> normalize_key_padding_mask(const std::optional<at::Tensor>& key_padding_mask,
+                                                     const at::Tensor& x);
+
+// The attention core through the dispatcher (autograd, torch.compile, every backend).
+at::Tensor attention(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
+                     int64_t n_heads);
+
+namespace kernels {
+
+// Composition of ATen operations (scaled_dot_product_attention); any device, autograd by ATen.
+at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
+                               int64_t n_heads);
+
+}  // namespace kernels
+}  // namespace causal_attention

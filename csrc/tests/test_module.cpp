@@ -1,0 +1,187 @@
+// The C++ module against torch::nn::MultiheadAttention, causality by autograd, padding, errors.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <limits>
+
+#include "causal_attention/attention.h"
+#include "causal_attention/module.h"
+
+namespace {
+
+using causal_attention::CausalSelfAttention;
+
+double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  return (a - b).abs().max().item<double>();
+}
+
+// MultiheadAttention with the module's weights copied in; C++ MHA takes (T, B, E).
+struct MhaTwin {
+  torch::nn::MultiheadAttention mha{nullptr};
+
+  explicit MhaTwin(CausalSelfAttention& attn) {
+    mha = torch::nn::MultiheadAttention(torch::nn::MultiheadAttentionOptions(attn->dim(), attn->n_heads()));
+    mha->to(torch::kFloat64);
+    torch::NoGradGuard no_grad;
+    mha->in_proj_weight.copy_(attn->qkv->weight);
+    mha->in_proj_bias.copy_(attn->qkv->bias);
+    mha->out_proj->weight.copy_(attn->proj->weight);
+    mha->out_proj->bias.copy_(attn->proj->bias);
+  }
+
+  // x (B, T, E), mask (B, T) True = real -> (B, T, E)
+  torch::Tensor forward(const torch::Tensor& x, const std::optional<torch::Tensor>& mask) {
+    const int64_t T = x.size(1);
+    // The C++ MultiheadAttention adds attn_mask to the scores: -inf above the diagonal.
+    const auto causal = torch::full({T, T}, -std::numeric_limits<double>::infinity(), torch::kFloat64).triu(1);
+    const auto xt = x.transpose(0, 1);
+    torch::Tensor kpm = mask.has_value() ? mask->logical_not() : torch::Tensor();
+    auto [out, weights] = mha->forward(xt, xt, xt, kpm, /*need_weights=*/false, causal);
+    return out.transpose(0, 1);
+  }
+};
+
+struct Shape {
+  int64_t B, T, H, hd;
+};
+
+class ParityTest : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(ParityTest, MatchesMultiheadAttentionOutputsAndGradients) {
+  const auto [B, T, H, hd] = GetParam();
+  torch::manual_seed(1234 + B * 1000 + T * 10 + H);
+  for (const bool padded : {false, true}) {
+    CausalSelfAttention attn(H * hd, H);
+    attn->to(torch::kFloat64);
+    MhaTwin twin(attn);
+    const auto x = torch::randn({B, T, H * hd}, torch::kFloat64);
+    std::optional<torch::Tensor> mask;
+    if (padded) {
+      // Right padding: sequence b has length in [1, T].
+      const auto lengths = torch::randint(1, T + 1, {B, 1});
+      mask = torch::arange(T).unsqueeze(0) < lengths;
+    }
+    const auto x1 = x.clone().requires_grad_(true);
+    const auto x2 = x.clone().requires_grad_(true);
+    const auto y1 = attn->forward(x1, mask);
+    const auto y2 = twin.forward(x2, mask);
+    EXPECT_LE(max_abs_diff(y1, y2), 1e-10) << "padded=" << padded;
+    const auto g = torch::randn_like(y1);
+    (y1 * g).sum().backward();
+    (y2 * g).sum().backward();
+    EXPECT_LE(max_abs_diff(x1.grad(), x2.grad()), 1e-10);
+    EXPECT_LE(max_abs_diff(attn->qkv->weight.grad(), twin.mha->in_proj_weight.grad()), 1e-10);
+    EXPECT_LE(max_abs_diff(attn->qkv->bias.grad(), twin.mha->in_proj_bias.grad()), 1e-10);
+    EXPECT_LE(max_abs_diff(attn->proj->weight.grad(), twin.mha->out_proj->weight.grad()), 1e-10);
+    EXPECT_LE(max_abs_diff(attn->proj->bias.grad(), twin.mha->out_proj->bias.grad()), 1e-10);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, ParityTest,
+                         ::testing::Values(Shape{1, 1, 1, 8}, Shape{2, 7, 3, 16}, Shape{3, 64, 4, 48},
+                                           Shape{2, 113, 2, 80}, Shape{4, 33, 12, 4}));
+
+TEST(Causality, GradientOfOutputTIsExactlyZeroForLaterInputs) {
+  torch::manual_seed(7);
+  const int64_t B = 2, T = 9, H = 3, hd = 8;
+  CausalSelfAttention attn(H * hd, H);
+  attn->to(torch::kFloat64);
+  for (const bool padded : {false, true}) {
+    std::optional<torch::Tensor> mask;
+    if (padded) {
+      mask = torch::arange(T).unsqueeze(0) < torch::tensor({{T}, {int64_t{5}}});
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      const auto x = torch::randn({B, T, H * hd}, torch::kFloat64).requires_grad_(true);
+      const auto y = attn->forward(x, mask);
+      y.select(1, t).sum().backward();
+      const auto g = x.grad();
+      EXPECT_TRUE(g.slice(1, t + 1).eq(0).all().item<bool>()) << "t=" << t;
+      EXPECT_GT(g.slice(1, 0, t + 1).abs().sum().item<double>(), 0.0) << "t=" << t;
+    }
+  }
+}
+
+TEST(Padding, RealOutputsDoNotDependOnPaddedInputs) {
+  torch::manual_seed(11);
+  const int64_t B = 3, T = 12, H = 2, hd = 8;
+  CausalSelfAttention attn(H * hd, H);
+  attn->to(torch::kFloat64);
+  const auto lengths = torch::tensor({{12}, {5}, {1}});
+  const auto mask = torch::arange(T).unsqueeze(0) < lengths;  // (B, T)
+  const auto x = torch::randn({B, T, H * hd}, torch::kFloat64);
+  const auto noise = torch::randn_like(x) * mask.logical_not().unsqueeze(-1);
+  torch::NoGradGuard no_grad;
+  const auto y1 = attn->forward(x, mask);
+  const auto y2 = attn->forward(x + 100 * noise, mask);
+  const auto real = mask.unsqueeze(-1).expand_as(y1);
+  EXPECT_TRUE(torch::equal(y1.masked_select(real), y2.masked_select(real)));
+  EXPECT_FALSE(torch::equal(y1, y2));  // the padded positions themselves did change
+}
+
+TEST(Padding, IntegerMaskMeansTheSameAsBool) {
+  torch::manual_seed(3);
+  CausalSelfAttention attn(16, 4);
+  const auto x = torch::randn({2, 6, 16});
+  const auto mask = torch::tensor({{1, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 1, 1}});
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(torch::equal(attn->forward(x, mask), attn->forward(x, mask.to(torch::kBool))));
+}
+
+TEST(Padding, RowWithNoAllowedKeyGivesProjBiasAndZeroGradients) {
+  torch::manual_seed(5);
+  CausalSelfAttention attn(16, 2);
+  attn->to(torch::kFloat64);
+  const auto x = torch::randn({1, 5, 16}, torch::kFloat64).requires_grad_(true);
+  const auto mask = torch::tensor({{false, false, true, true, false}});  // left padding
+  const auto y = attn->forward(x, mask);
+  EXPECT_FALSE(y.isnan().any().item<bool>());
+  for (int64_t t = 0; t < 2; ++t) {
+    EXPECT_TRUE(torch::allclose(y[0][t], attn->proj->bias, 0.0, 1e-15)) << "t=" << t;
+  }
+  y.sum().backward();
+  EXPECT_FALSE(x.grad().isnan().any().item<bool>());
+  EXPECT_FALSE(attn->qkv->weight.grad().isnan().any().item<bool>());
+}
+
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+TEST(Errors, DimNotDivisibleByHeadsNamesBoth) {
+  const auto msg = error_of([] { CausalSelfAttention(10, 3); });
+  EXPECT_NE(msg.find("dim (got 10)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("n_heads (got 3)"), std::string::npos) << msg;
+  EXPECT_THROW(CausalSelfAttention(10, 3), c10::ValueError);
+}
+
+TEST(Errors, BadInputsNameTheArgument) {
+  CausalSelfAttention attn(16, 4);
+  const auto x = torch::randn({2, 5, 16});
+  EXPECT_THROW(attn->forward(torch::randn({5, 16})), c10::ValueError);
+  EXPECT_NE(error_of([&] { attn->forward(torch::randn({5, 16})); }).find("x must be 3-D"), std::string::npos);
+  EXPECT_NE(error_of([&] { attn->forward(torch::randn({2, 5, 8})); }).find("last dimension dim=16"),
+            std::string::npos);
+  EXPECT_THROW(attn->forward(x, torch::ones({2, 5})), c10::TypeError);  // float mask
+  EXPECT_NE(error_of([&] { attn->forward(x, torch::ones({2, 5})); }).find("key_padding_mask must be bool"),
+            std::string::npos);
+  EXPECT_THROW(attn->forward(x, torch::ones({2, 4}, torch::kBool)), c10::ValueError);
+  EXPECT_NE(error_of([&] { attn->forward(x, torch::ones({5, 2}, torch::kBool)); })
+                .find("key_padding_mask must have shape (B, T) = (2, 5)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { attn->forward(x, torch::full({2, 5}, 2, torch::kLong)); }).find("only 0"),
+            std::string::npos);
+}
+
+TEST(Errors, OpChecksQkv) {
+  EXPECT_THROW(causal_attention::attention(torch::randn({2, 5, 10}), std::nullopt, 4), c10::ValueError);
+  EXPECT_THROW(causal_attention::attention(torch::randn({5, 12}), std::nullopt, 4), c10::ValueError);
+}
+
+}  // namespace

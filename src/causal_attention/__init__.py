@@ -1,0 +1,15 @@
+"""causal_attention: the attention layer of GPT-style models, a C++ engine with a PyTorch front.
+
+    from causal_attention import CausalSelfAttention
+    attn = CausalSelfAttention(768, 12)
+    out = attn(x, key_padding_mask)   # x (B, T, 768); key_padding_mask (B, T), True = real token
+"""
+
+from .module import CausalSelfAttention
+
+__all__ = ["CausalSelfAttention"]
+__version__ = "0.1.0"
+
+from . import _ops as _ops
+
+_ops.load_error()  # load the compiled engine now, not in the middle of a traced call

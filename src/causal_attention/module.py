@@ -1,0 +1,126 @@
+"""CausalSelfAttention: the attention layer of a GPT-style model.
+
+    attn = CausalSelfAttention(768, 12)
+    y = attn(x)                      # x (B, T, 768) -> y (B, T, 768)
+    y = attn(x, key_padding_mask)    # key_padding_mask (B, T): True = real token, False = padding
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from . import backends, reference
+from .backends import Backend
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int; got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive; got {value}")
+    return value
+
+
+def normalize_key_padding_mask(key_padding_mask: Tensor | None, x: Tensor) -> Tensor | None:
+    """Validates a key padding mask against x (B, T, dim); returns it as bool (B, T), True = real.
+
+    An integer 0/1 mask (a tokenizer's attention_mask) means the same as bool. A float mask is a
+    TypeError: it is ambiguous (an additive bias? a probability?).
+    """
+    if key_padding_mask is None:
+        return None
+    if not isinstance(key_padding_mask, Tensor):
+        raise TypeError(f"key_padding_mask must be a Tensor or None; got {type(key_padding_mask).__name__}")
+    mask = key_padding_mask
+    if mask.dtype != torch.bool and (mask.is_floating_point() or mask.is_complex()):
+        raise TypeError(
+            "key_padding_mask must be bool (True = real token) or an integer 0/1 tensor; "
+            f"got dtype {mask.dtype} (a float mask is ambiguous: additive bias or probability?)"
+        )
+    B, T = x.shape[0], x.shape[1]
+    if mask.dim() != 2 or mask.shape[0] != B or mask.shape[1] != T:
+        raise ValueError(f"key_padding_mask must have shape (B, T) = ({B}, {T}); got shape {tuple(mask.shape)}")
+    if mask.device != x.device:
+        raise ValueError(f"key_padding_mask must be on the same device as x ({x.device}); got {mask.device}")
+    if mask.dtype == torch.bool:
+        return mask
+    if not torch.compiler.is_compiling() and bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("key_padding_mask of integer dtype must hold only 0 (padding) and 1 (real token)")
+    return mask != 0
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with one qkv projection and an output projection.
+
+    Args:
+        dim: model width; x is (B, T, dim).
+        n_heads: number of heads; must divide dim (head_dim = dim // n_heads).
+        backend: keyword-only. ``"auto"`` (the compiled C++ engine on CPU, torch's SDPA on CUDA),
+            or one of ``"cpp"``, ``"sdpa"``, ``"reference"`` to force one.
+        device, dtype: keyword-only, for the parameters.
+
+    State: ``qkv`` = Linear(dim, 3 * dim) (output split q | k | v) and ``proj`` = Linear(dim, dim);
+    the state_dict holds exactly their weights and biases.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        *,
+        backend: Backend = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        _check_positive_int("dim", dim)
+        _check_positive_int("n_heads", n_heads)
+        if dim % n_heads != 0:
+            raise ValueError(f"CausalSelfAttention: dim (got {dim}) must be divisible by n_heads (got {n_heads})")
+        if backend != "auto" and backend not in backends.BACKENDS:
+            raise ValueError(f"backend must be one of {('auto',) + backends.BACKENDS}; got {backend!r}")
+        self.dim = dim
+        self.n_heads = n_heads
+        self.head_dim = dim // n_heads
+        self.backend: Backend = backend
+        self.qkv = nn.Linear(dim, 3 * dim, device=device, dtype=dtype)
+        self.proj = nn.Linear(dim, dim, device=device, dtype=dtype)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, n_heads={self.n_heads}, head_dim={self.head_dim}, backend={self.backend!r}"
+
+    def _check_x(self, x: Tensor) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a Tensor of shape (B, T, dim); got {type(x).__name__}")
+        if x.dim() != 3:
+            raise ValueError(f"x must be 3-D (B, T, dim); got shape {tuple(x.shape)}")
+        if x.shape[2] != self.dim:
+            raise ValueError(f"x must have last dimension dim={self.dim}; got shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor; got dtype {x.dtype}")
+
+    def forward(
+        self, x: Tensor, key_padding_mask: Tensor | None = None, *, return_weights: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Causal self-attention.
+
+        Args:
+            x: (B, T, dim).
+            key_padding_mask: (B, T), True (or 1) = real token, False (or 0) = padding; None = all real.
+            return_weights: keyword-only; also return the attention weights (B, H, T, T), computed
+                by the reference (for inspection: it materialises T x T).
+
+        Returns:
+            out (B, T, dim), or (out, weights) when return_weights.
+        """
+        self._check_x(x)
+        mask = normalize_key_padding_mask(key_padding_mask, x)  # (B, T) bool or None
+        qkv = self.qkv(x)  # (B, T, 3 * dim)
+        if return_weights:
+            y, weights = reference.attention_core(qkv, mask, self.n_heads, return_weights=True)
+            assert weights is not None
+            return self.proj(y), weights
+        name = backends.select_backend(qkv, self.backend)
+        y = backends.RUN[name](qkv, mask, self.n_heads)  # (B, T, dim)
+        return self.proj(y)  # (B, T, dim)

@@ -1,0 +1,74 @@
+"""The compiled engine and the module's plumbing: loading, backend choice, state_dict."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from causal_attention import CausalSelfAttention, _ops, backends
+from conftest import rel_err
+
+
+def test_compiled_engine_is_loaded():
+    """Fails in CI (and anywhere) when the C++ engine was not built or cannot be loaded."""
+    assert _ops.load_error() is None
+    assert hasattr(torch.ops.causal_attention, "attention")
+
+
+def test_auto_picks_cpp_on_cpu():
+    qkv = torch.randn(1, 3, 24)
+    assert backends.select_backend(qkv, "auto") == "cpp"
+
+
+def test_cpp_passed_over_with_reasons_for_other_devices():
+    qkv = torch.randn(1, 3, 24, device="meta")
+    reasons = backends.unsupported_reasons("cpp", qkv)
+    assert any("CPU tensors; got device meta" in r for r in reasons)
+    assert backends.select_backend(qkv, "auto") == "sdpa"
+    with pytest.raises(ValueError, match="backend 'cpp' cannot run these inputs"):
+        backends.select_backend(qkv, "cpp")
+
+
+def test_missing_engine_warns_once_and_falls_back(monkeypatch):
+    monkeypatch.setattr(_ops, "load_error", lambda: "no such file (test)")
+    backends._warn_engine_missing.cache_clear()
+    attn = CausalSelfAttention(16, 4, dtype=torch.float64)
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = attn(x)
+        attn(x)
+    backends._warn_engine_missing.cache_clear()
+    engine_warnings = [w for w in caught if "compiled C++ engine is not loaded" in str(w.message)]
+    assert len(engine_warnings) == 1
+    assert "no such file (test)" in str(engine_warnings[0].message)
+    monkeypatch.undo()
+    assert rel_err(y, CausalSelfAttention.forward(attn, x)) <= 1e-12
+
+
+def test_state_dict_holds_exactly_the_projections():
+    attn = CausalSelfAttention(32, 4)
+    sd = attn.state_dict()
+    assert list(sd) == ["qkv.weight", "qkv.bias", "proj.weight", "proj.bias"]
+    assert sd["qkv.weight"].shape == (96, 32) and sd["proj.weight"].shape == (32, 32)
+    # A plain state dict loads strictly into a fresh module and gives the same outputs.
+    other = CausalSelfAttention(32, 4)
+    other.load_state_dict({k: v.clone() for k, v in sd.items()}, strict=True)
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        assert torch.equal(attn(x), other(x))
+
+
+def test_qkv_split_order_and_head_columns():
+    """Head h uses columns h*hd:(h+1)*hd of q, k and v: zeroing head 1's v zeroes its slice only."""
+    attn = CausalSelfAttention(12, 3, dtype=torch.float64, backend="cpp")
+    with torch.no_grad():
+        attn.proj.weight.copy_(torch.eye(12))
+        attn.proj.bias.zero_()
+        attn.qkv.weight[24 + 4 : 24 + 8].zero_()  # v columns of head 1
+        attn.qkv.bias[24 + 4 : 24 + 8].zero_()
+    y = attn(torch.randn(2, 5, 12, dtype=torch.float64))
+    assert torch.count_nonzero(y[..., 4:8]) == 0
+    assert torch.count_nonzero(y[..., :4]) > 0 and torch.count_nonzero(y[..., 8:]) > 0
