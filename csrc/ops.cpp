@@ -1,17 +1,100 @@
 // Registers the engine's operators with the dispatcher: torch.ops.causal_attention.*
+//
+//   attention(qkv, key_padding_mask, n_heads) -> out                  differentiable, any device
+//   attention_forward(qkv, key_padding_mask, n_heads) -> (out, lse)   the fused CPU kernel
+//   attention_backward(grad_out, qkv, key_padding_mask, out, lse, n_heads) -> grad_qkv
+//
+// On CPU, `attention` runs the fused kernels with a C++ autograd function; on other devices it is
+// the ATen composition (kernels::attention_composite). Fake kernels for torch.compile: _ops.py.
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include "attention/tile_ops.h"
 #include "causal_attention/attention.h"
 
 namespace causal_attention {
+namespace {
+
+using OptionalTensor = std::optional<at::Tensor>;
+
+std::tuple<at::Tensor, at::Tensor> call_forward(const at::Tensor& qkv, const OptionalTensor& mask, int64_t n_heads) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("causal_attention::attention_forward", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptionalTensor&, int64_t)>();
+  return op.call(qkv, mask, n_heads);
+}
+
+at::Tensor call_backward(const at::Tensor& grad_out, const at::Tensor& qkv, const OptionalTensor& mask,
+                         const at::Tensor& out, const at::Tensor& lse, int64_t n_heads) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("causal_attention::attention_backward", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const at::Tensor&,
+                            const at::Tensor&, int64_t)>();
+  return op.call(grad_out, qkv, mask, out, lse, n_heads);
+}
+
+class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv, const OptionalTensor& mask,
+                            int64_t n_heads) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, lse] = call_forward(qkv, mask, n_heads);
+    ctx->save_for_backward({qkv, out, lse, mask.value_or(at::Tensor())});
+    ctx->saved_data["n_heads"] = n_heads;
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const OptionalTensor mask = saved[3].defined() ? OptionalTensor(saved[3]) : std::nullopt;
+    const auto grad_qkv = call_backward(grads[0], saved[0], mask, saved[1], saved[2], ctx->saved_data["n_heads"].toInt());
+    return {grad_qkv, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor attention_autograd(const at::Tensor& qkv, const OptionalTensor& mask, int64_t n_heads) {
+  if (qkv.device().is_cpu()) {
+    return AttentionFunction::apply(qkv, mask, n_heads);
+  }
+  return kernels::attention_composite(qkv, mask, n_heads);  // differentiated by ATen
+}
+
+at::Tensor attention_no_autograd(const at::Tensor& qkv, const OptionalTensor& mask, int64_t n_heads) {
+  if (qkv.device().is_cpu()) {
+    return std::get<0>(call_forward(qkv, mask, n_heads));
+  }
+  return kernels::attention_composite(qkv, mask, n_heads);
+}
+
+}  // namespace
 
 TORCH_LIBRARY(causal_attention, m) {
   m.def("attention(Tensor qkv, Tensor? key_padding_mask, int n_heads) -> Tensor");
+  m.def("attention_forward(Tensor qkv, Tensor? key_padding_mask, int n_heads) -> (Tensor out, Tensor lse)");
+  m.def(
+      "attention_backward(Tensor grad_out, Tensor qkv, Tensor? key_padding_mask, Tensor out, Tensor lse, "
+      "int n_heads) -> Tensor grad_qkv");
+  m.def("cpu_capability() -> str");
 }
 
-TORCH_LIBRARY_IMPL(causal_attention, CompositeImplicitAutograd, m) {
-  m.impl("attention", &kernels::attention_composite);
+TORCH_LIBRARY_IMPL(causal_attention, Autograd, m) { m.impl("attention", &attention_autograd); }
+
+TORCH_LIBRARY_IMPL(causal_attention, CompositeExplicitAutograd, m) {
+  m.impl("attention", &attention_no_autograd);
 }
+
+TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
+  m.impl("attention_forward", &kernels::attention_forward_cpu);
+  m.impl("attention_backward", &kernels::attention_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(causal_attention, CatchAll, m) {
+  m.impl("cpu_capability", [] { return std::string(kernels::cpu_capability()); });
+}
+
+const char* kernels::cpu_capability() { return tile::tile_ops_capability(); }
 
 at::Tensor attention(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
                      int64_t n_heads) {

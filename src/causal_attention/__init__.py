@@ -9,7 +9,3 @@ from .module import CausalSelfAttention
 
 __all__ = ["CausalSelfAttention"]
 __version__ = "0.1.0"
-
-from . import _ops as _ops
-
-_ops.load_error()  # load the compiled engine now, not in the middle of a traced call

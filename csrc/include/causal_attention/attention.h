@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <tuple>
 
 namespace causal_attention {
 
@@ -34,6 +35,26 @@ namespace kernels {
 // Composition of ATen operations (scaled_dot_product_attention); any device, autograd by ATen.
 at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
                                int64_t n_heads);
+
+// The fused CPU kernel's tiles: block_q queries against block_k keys (measured on AVX-512, 2 threads).
+inline constexpr int64_t kBlockQ = 128;     // forward
+inline constexpr int64_t kBlockK = 256;     // forward
+inline constexpr int64_t kBwdBlockQ = 128;  // backward
+inline constexpr int64_t kBwdBlockK = 128;  // backward
+
+// Fused CPU forward: (out (B, T, dim), lse (B, H, T)). lse is float32 (float64 for float64 inputs);
+// a query with no allowed key has out = 0 and lse = +inf. key_padding_mask: bool (B, T) or none.
+std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& qkv,
+                                                         const std::optional<at::Tensor>& key_padding_mask,
+                                                         int64_t n_heads);
+
+// Fused CPU backward from the forward's out and lse: grad_qkv (B, T, 3 * dim).
+at::Tensor attention_backward_cpu(const at::Tensor& grad_out, const at::Tensor& qkv,
+                                  const std::optional<at::Tensor>& key_padding_mask, const at::Tensor& out,
+                                  const at::Tensor& lse, int64_t n_heads);
+
+// The instruction set the CPU kernel's element-wise routines were chosen for at run time.
+const char* cpu_capability();
 
 }  // namespace kernels
 }  // namespace causal_attention

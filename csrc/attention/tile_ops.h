@@ -1,0 +1,66 @@
+// Element-wise work on attention tiles: online softmax, rescaling, the backward's probabilities
+// and score gradients. The matrix products around them go to ATen (MKL / oneDNN).
+//
+// These routines are compiled once per instruction set (tile_ops_isa.cpp: DEFAULT, AVX2, AVX512)
+// and chosen at run time from ATen's CPU capability, as ATen's own kernels are; the environment
+// variable ATEN_CPU_CAPABILITY=default|avx2|avx512 forces a lower one.
+//
+// Conventions: a tile has `rows` queries and `cols` keys, row-major with leading dimension `ld`.
+// acc_t is float for float/bfloat16/half inputs and double for double.
+// Row i of a tile may attend columns j <= i + causal_offset (pass kNoCausal for no limit) whose
+// key_mask entry is true (key_mask == nullptr: all keys real).
+#pragma once
+
+#include <ATen/OpMathType.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <limits>
+
+namespace causal_attention::tile {
+
+inline constexpr int64_t kNoCausal = std::numeric_limits<int64_t>::max() / 2;
+
+template <typename scalar_t>
+struct TileOps {
+  using acc_t = at::opmath_type<scalar_t>;
+
+  // Forward, one key tile. In: s = raw scores q.k. Out: s = exp(scale * s - m_new) for allowed
+  // entries, 0 elsewhere. Updates the running max m and sum l of each row and writes the factor
+  // alpha = exp(m_old - m_new) that rescales the row's accumulated output. buf: >= cols scratch.
+  void (*softmax_tile)(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
+                       const bool* key_mask, acc_t* m, acc_t* l, acc_t* alpha, acc_t* buf);
+
+  // acc[i, :] = acc[i, :] * alpha[i] + x[i, :]   (acc: rows x cols, ld_acc; x: ld_x)
+  void (*rescale_add)(acc_t* acc, int64_t ld_acc, const scalar_t* x, int64_t ld_x, int64_t rows, int64_t cols,
+                      const acc_t* alpha);
+
+  // acc[i, :] += x[i, :]
+  void (*add)(acc_t* acc, int64_t ld_acc, const scalar_t* x, int64_t ld_x, int64_t rows, int64_t cols);
+
+  // Forward epilogue: out[i, :] = acc[i, :] / l[i] and lse[i] = m[i] + log(l[i]); a row with no
+  // allowed key (l = 0) gets out = 0 and lse = +inf, so that the backward's probabilities are 0.
+  void (*finalize)(const acc_t* acc, int64_t ld_acc, int64_t rows, int64_t cols, const acc_t* m, const acc_t* l,
+                   scalar_t* out, int64_t ld_out, acc_t* lse);
+
+  // out[i, :] = acc[i, :]   (conversion to the output dtype)
+  void (*store)(const acc_t* acc, int64_t ld_acc, int64_t rows, int64_t cols, scalar_t* out, int64_t ld_out);
+
+  // Backward. In: s = raw scores. Out: s = exp(scale * s - lse[i]) where allowed, 0 elsewhere.
+  void (*probabilities)(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
+                        const bool* key_mask, const acc_t* lse);
+
+  // Backward. In: dp = dO . v. Out: dp = scale * p * (dp - delta[i * delta_stride]).
+  void (*score_grad)(scalar_t* dp, const scalar_t* p, int64_t ld, int64_t rows, int64_t cols, acc_t scale,
+                     const acc_t* delta, int64_t delta_stride);
+};
+
+// The routines for the instruction set chosen at run time.
+template <typename scalar_t>
+const TileOps<scalar_t>& tile_ops();
+
+// The instruction set chosen: "DEFAULT", "AVX2" or "AVX512".
+const char* tile_ops_capability();
+
+}  // namespace causal_attention::tile

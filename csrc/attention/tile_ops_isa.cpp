@@ -1,0 +1,239 @@
+// The tile routines of tile_ops.h, compiled once per instruction set. CMake builds this file three
+// times with CPU_CAPABILITY = DEFAULT, AVX2, AVX512 (and the matching -m flags); every symbol lives
+// in the namespace causal_attention::tile::<CPU_CAPABILITY>, as at::vec's do, so the copies never mix.
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+
+#include "tile_ops.h"
+
+#ifndef CPU_CAPABILITY
+#error "tile_ops_isa.cpp is compiled with -DCPU_CAPABILITY=DEFAULT|AVX2|AVX512"
+#endif
+
+namespace causal_attention::tile::CPU_CAPABILITY {
+namespace {
+
+template <typename acc_t>
+using Vec = at::vec::Vectorized<acc_t>;
+
+template <typename acc_t>
+constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+
+// dst[j] = scale * src[j] for j < n.
+template <typename scalar_t, typename acc_t>
+inline void load_scaled(const scalar_t* src, int64_t n, acc_t scale, acc_t* dst) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    constexpr int64_t W = Vec<acc_t>::size();
+    const Vec<acc_t> vscale(scale);
+    int64_t j = 0;
+    for (; j + W <= n; j += W) {
+      (Vec<acc_t>::loadu(src + j) * vscale).store(dst + j);
+    }
+    for (; j < n; ++j) {
+      dst[j] = src[j] * scale;
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      dst[j] = static_cast<acc_t>(src[j]) * scale;
+    }
+  }
+}
+
+// dst[j] = src[j] for j < n, converted; dst[j] = 0 for n <= j < cols.
+template <typename scalar_t, typename acc_t>
+inline void store_row(const acc_t* src, int64_t n, int64_t cols, scalar_t* dst) {
+  for (int64_t j = 0; j < n; ++j) {
+    dst[j] = static_cast<scalar_t>(src[j]);
+  }
+  std::fill(dst + n, dst + cols, scalar_t(0));
+}
+
+template <typename acc_t>
+inline acc_t max_of(const acc_t* x, int64_t n) {
+  constexpr int64_t W = Vec<acc_t>::size();
+  acc_t result = kNegInf<acc_t>;
+  int64_t j = 0;
+  if (n >= W) {
+    Vec<acc_t> vmax(kNegInf<acc_t>);
+    for (; j + W <= n; j += W) {
+      vmax = at::vec::maximum(vmax, Vec<acc_t>::loadu(x + j));
+    }
+    acc_t lanes[W];
+    vmax.store(lanes);
+    for (int64_t w = 0; w < W; ++w) {
+      result = std::max(result, lanes[w]);
+    }
+  }
+  for (; j < n; ++j) {
+    result = std::max(result, x[j]);
+  }
+  return result;
+}
+
+// x[j] = exp(x[j] - shift) for j < n; returns the sum. -inf entries give exactly 0.
+template <typename acc_t>
+inline acc_t exp_shift_sum(acc_t* x, int64_t n, acc_t shift) {
+  acc_t sum = 0;
+  int64_t j = 0;
+  if constexpr (std::is_same_v<acc_t, float>) {
+    constexpr int64_t W = Vec<float>::size();
+    const Vec<float> vshift(shift);
+    Vec<float> vsum(0.f);
+    for (; j + W <= n; j += W) {
+      const auto e = (Vec<float>::loadu(x + j) - vshift).exp_u20();
+      e.store(x + j);
+      vsum = vsum + e;
+    }
+    float lanes[W];
+    vsum.store(lanes);
+    for (int64_t w = 0; w < W; ++w) {
+      sum += lanes[w];
+    }
+  }
+  for (; j < n; ++j) {
+    x[j] = std::exp(x[j] - shift);
+    sum += x[j];
+  }
+  return sum;
+}
+
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void softmax_tile(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
+                  const bool* key_mask, acc_t* m, acc_t* l, acc_t* alpha, acc_t* buf) {
+  for (int64_t i = 0; i < rows; ++i) {
+    scalar_t* row = s + i * ld;
+    const int64_t n = std::clamp<int64_t>(i + causal_offset + 1, 0, cols);  // allowed prefix
+    load_scaled(row, n, scale, buf);
+    if (key_mask != nullptr) {
+      for (int64_t j = 0; j < n; ++j) {
+        buf[j] = key_mask[j] ? buf[j] : kNegInf<acc_t>;
+      }
+    }
+    const acc_t m_new = std::max(m[i], max_of(buf, n));
+    if (m_new == kNegInf<acc_t>) {  // no allowed key yet: the row stays empty
+      alpha[i] = 1;
+      std::fill(row, row + cols, scalar_t(0));
+      continue;
+    }
+    alpha[i] = std::exp(m[i] - m_new);  // 0 when m[i] = -inf
+    const acc_t sum = exp_shift_sum(buf, n, m_new);
+    l[i] = l[i] * alpha[i] + sum;
+    m[i] = m_new;
+    store_row(buf, n, cols, row);
+  }
+}
+
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void rescale_add(acc_t* acc, int64_t ld_acc, const scalar_t* x, int64_t ld_x, int64_t rows, int64_t cols,
+                 const acc_t* alpha) {
+  for (int64_t i = 0; i < rows; ++i) {
+    acc_t* a = acc + i * ld_acc;
+    const scalar_t* xi = x + i * ld_x;
+    const acc_t f = alpha[i];
+    for (int64_t j = 0; j < cols; ++j) {
+      a[j] = a[j] * f + static_cast<acc_t>(xi[j]);
+    }
+  }
+}
+
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void add(acc_t* acc, int64_t ld_acc, const scalar_t* x, int64_t ld_x, int64_t rows, int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i) {
+    acc_t* a = acc + i * ld_acc;
+    const scalar_t* xi = x + i * ld_x;
+    for (int64_t j = 0; j < cols; ++j) {
+      a[j] += static_cast<acc_t>(xi[j]);
+    }
+  }
+}
+
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void finalize(const acc_t* acc, int64_t ld_acc, int64_t rows, int64_t cols, const acc_t* m, const acc_t* l,
+              scalar_t* out, int64_t ld_out, acc_t* lse) {
+  for (int64_t i = 0; i < rows; ++i) {
+    scalar_t* o = out + i * ld_out;
+    if (l[i] == 0) {  // no allowed key: output 0; +inf makes the backward's probabilities 0
+      std::fill(o, o + cols, scalar_t(0));
+      lse[i] = std::numeric_limits<acc_t>::infinity();
+      continue;
+    }
+    const acc_t inv = acc_t(1) / l[i];
+    const acc_t* a = acc + i * ld_acc;
+    for (int64_t j = 0; j < cols; ++j) {
+      o[j] = static_cast<scalar_t>(a[j] * inv);
+    }
+    lse[i] = m[i] + std::log(l[i]);
+  }
+}
+
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void store(const acc_t* acc, int64_t ld_acc, int64_t rows, int64_t cols, scalar_t* out, int64_t ld_out) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const acc_t* a = acc + i * ld_acc;
+    scalar_t* o = out + i * ld_out;
+    for (int64_t j = 0; j < cols; ++j) {
+      o[j] = static_cast<scalar_t>(a[j]);
+    }
+  }
+}
+
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void probabilities(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
+                   const bool* key_mask, const acc_t* lse) {
+  // One row of scratch on the stack per block of columns keeps this free of allocation.
+  constexpr int64_t kChunk = 256;
+  acc_t buf[kChunk];
+  for (int64_t i = 0; i < rows; ++i) {
+    scalar_t* row = s + i * ld;
+    const int64_t n = std::clamp<int64_t>(i + causal_offset + 1, 0, cols);
+    if (lse[i] == std::numeric_limits<acc_t>::infinity()) {  // a row with no allowed key
+      std::fill(row, row + cols, scalar_t(0));
+      continue;
+    }
+    for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+      const int64_t c = std::min(kChunk, n - c0);
+      load_scaled(row + c0, c, scale, buf);
+      if (key_mask != nullptr) {
+        for (int64_t j = 0; j < c; ++j) {
+          buf[j] = key_mask[c0 + j] ? buf[j] : kNegInf<acc_t>;
+        }
+      }
+      exp_shift_sum(buf, c, lse[i]);
+      store_row(buf, c, c, row + c0);
+    }
+    std::fill(row + n, row + cols, scalar_t(0));
+  }
+}
+
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void score_grad(scalar_t* dp, const scalar_t* p, int64_t ld, int64_t rows, int64_t cols, acc_t scale,
+                const acc_t* delta, int64_t delta_stride) {
+  for (int64_t i = 0; i < rows; ++i) {
+    scalar_t* d = dp + i * ld;
+    const scalar_t* pi = p + i * ld;
+    const acc_t di = delta[i * delta_stride];
+    for (int64_t j = 0; j < cols; ++j) {
+      d[j] = static_cast<scalar_t>(scale * static_cast<acc_t>(pi[j]) * (static_cast<acc_t>(d[j]) - di));
+    }
+  }
+}
+
+template <typename scalar_t>
+TileOps<scalar_t> make_tile_ops() {
+  return TileOps<scalar_t>{&softmax_tile<scalar_t>, &rescale_add<scalar_t>, &add<scalar_t>,
+                           &finalize<scalar_t>,     &store<scalar_t>,       &probabilities<scalar_t>,
+                           &score_grad<scalar_t>};
+}
+
+}  // namespace
+
+// The entry points tile_ops.cpp chooses from.
+TileOps<float> tile_ops_float() { return make_tile_ops<float>(); }
+TileOps<double> tile_ops_double() { return make_tile_ops<double>(); }
+TileOps<c10::BFloat16> tile_ops_bfloat16() { return make_tile_ops<c10::BFloat16>(); }
+TileOps<c10::Half> tile_ops_half() { return make_tile_ops<c10::Half>(); }
+
+}  // namespace causal_attention::tile::CPU_CAPABILITY

@@ -1,0 +1,200 @@
+"""The fused CPU kernel (torch.ops.causal_attention.attention) on the cases that break kernels."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from causal_attention import CausalSelfAttention, reference
+from conftest import make_mask, rel_err
+
+op = torch.ops.causal_attention.attention
+
+
+def _check_against_reference(qkv: torch.Tensor, mask: torch.Tensor | None, H: int, tol: float) -> None:
+    """Output and grad_qkv of the kernel against reference.attention_core, same dtype."""
+    a = qkv.detach().clone().requires_grad_()
+    b = qkv.detach().clone().requires_grad_()
+    y = op(a, mask, H)
+    y_ref, _ = reference.attention_core(b, mask, H)
+    assert not y.isnan().any()
+    assert rel_err(y, y_ref) <= tol
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    assert not a.grad.isnan().any()
+    assert rel_err(a.grad, b.grad) <= tol
+
+
+def _block_mask(B: int, T: int, kind: str) -> torch.Tensor | None:
+    """Masks that switch whole key blocks off (every block size in use is 128 or 256)."""
+    if kind in ("none", "right", "random"):
+        return make_mask(kind, B, T)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    if kind == "holes":  # whole blocks of padding in the middle, key 0 real
+        mask[:, 100:400] = False
+        mask[-1, 1:] = False  # a sequence with one real key
+    elif kind == "left":  # left padding: the first queries have no allowed key at all
+        mask[:, : T // 3] = False
+        mask[0, :] = False  # a sequence with no real token at all
+    return mask
+
+
+@pytest.mark.parametrize("T", [1, 7, 63, 127, 128, 129, 255, 256, 257, 383, 385, 513])
+@pytest.mark.parametrize("mask_kind", ["none", "right", "random", "holes", "left"])
+def test_block_boundaries_float64(T, mask_kind):
+    B, H, hd = 2, 2, 16
+    qkv = torch.randn(B, T, 3 * H * hd, dtype=torch.float64)
+    _check_against_reference(qkv, _block_mask(B, T, mask_kind), H, 1e-12)
+
+
+@pytest.mark.parametrize("hd", [1, 4, 8, 20, 33, 48, 64, 80, 128])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_head_dims(hd, dtype):
+    """Head dims that are and are not multiples of the vector width (8 doubles, 16 floats)."""
+    B, T, H = 2, 150, 3
+    qkv = torch.randn(B, T, 3 * H * hd, dtype=dtype)
+    _check_against_reference(qkv, make_mask("random", B, T), H, 1e-12 if dtype == torch.float64 else 2e-5)
+
+
+@pytest.mark.parametrize("layout", ["row_slice", "transposed_batch", "strided_columns", "expanded"])
+def test_non_contiguous_inputs(layout):
+    B, T, H, hd = 3, 140, 2, 24
+    C = 3 * H * hd
+    if layout == "row_slice":  # rows of qkv sit inside wider rows
+        qkv = torch.randn(B, T, C + 40, dtype=torch.float64)[:, :, 13 : 13 + C]
+    elif layout == "transposed_batch":  # (T, B, C) storage seen as (B, T, C)
+        qkv = torch.randn(T, B, C, dtype=torch.float64).transpose(0, 1)
+    elif layout == "strided_columns":  # last dimension not dense
+        qkv = torch.randn(B, T, 2 * C, dtype=torch.float64)[:, :, ::2]
+    else:  # one sequence broadcast over the batch
+        qkv = torch.randn(1, T, C, dtype=torch.float64).expand(B, T, C)
+    assert not qkv.is_contiguous()
+    mask = make_mask("right", B, T).t().contiguous().t()  # a non-contiguous mask too
+    assert not mask.is_contiguous()
+    _check_against_reference(qkv, mask, H, 1e-12)
+
+
+def test_non_contiguous_grad_output():
+    B, T, H, hd = 2, 70, 2, 8
+    qkv = torch.randn(B, T, 3 * H * hd, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(T, B, H * hd, dtype=torch.float64).transpose(0, 1)
+    (grad,) = torch.autograd.grad(op(qkv, None, H), qkv, g)
+    qkv_ref = qkv.detach().clone().requires_grad_()
+    (grad_ref,) = torch.autograd.grad(reference.attention_core(qkv_ref, None, H)[0], qkv_ref, g)
+    assert rel_err(grad, grad_ref) <= 1e-12
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "right", "random", "left"])
+def test_gradcheck(mask_kind):
+    B, T, H, hd = 2, 9, 2, 4
+    qkv = torch.randn(B, T, 3 * H * hd, dtype=torch.float64, requires_grad=True)
+    mask = _block_mask(B, T, mask_kind) if mask_kind == "left" else make_mask(mask_kind, B, T)
+    assert torch.autograd.gradcheck(lambda t: op(t, mask, H), (qkv,))
+
+
+def test_lse_matches_reference_logsumexp():
+    B, T, H, hd = 2, 300, 3, 16
+    qkv = torch.randn(B, T, 3 * H * hd, dtype=torch.float64)
+    mask = _block_mask(B, T, "left")
+    out, lse = torch.ops.causal_attention.attention_forward(qkv, mask, H)
+    assert lse.shape == (B, H, T) and lse.dtype == torch.float64
+    q, k, _ = qkv.view(B, T, 3, H, hd).unbind(2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / hd**0.5
+    allowed = torch.ones(T, T, dtype=torch.bool).tril() & mask[:, None, None, :]
+    expected = scores.masked_fill(~allowed, float("-inf")).logsumexp(-1)  # -inf on empty rows
+    empty = ~allowed.any(-1).expand(B, H, T)
+    assert torch.equal(lse[empty], torch.full_like(lse[empty], float("inf")))  # empty rows: +inf
+    assert rel_err(lse[~empty], expected[~empty]) <= 1e-12
+    assert torch.count_nonzero(out.view(B, T, H, hd).transpose(1, 2)[empty]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_deterministic_and_thread_count_independent(dtype):
+    B, T, H, hd = 2, 400, 4, 32
+    qkv = torch.randn(B, T, 3 * H * hd, dtype=dtype)
+    mask = make_mask("right", B, T)
+    g = torch.randn(B, T, H * hd, dtype=dtype)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        x = qkv.clone().requires_grad_()
+        y = op(x, mask, H)
+        y.backward(g)
+        return y.detach(), x.grad
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        y1, g1 = run()
+        y2, g2 = run()
+        torch.set_num_threads(1)
+        y3, g3 = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(y1, y2) and torch.equal(g1, g2)  # same inputs and threads: bitwise
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(y1, y3) <= tol and rel_err(g1, g3) <= tol  # 1 thread vs 2: to rounding
+
+
+def test_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    attn = CausalSelfAttention(64, 4)
+    compiled = torch.compile(attn, fullgraph=True)
+    x = torch.randn(3, 50, 64)
+    mask = make_mask("right", 3, 50)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_eager = attn(x1, mask)
+    y_comp = compiled(x2, mask)
+    assert rel_err(y_comp, y_eager) <= 1e-5
+    g = torch.randn_like(y_eager)
+    y_eager.backward(g)
+    grads_eager = [x1.grad] + [p.grad.clone() for p in attn.parameters()]
+    attn.zero_grad()
+    y_comp.backward(g)
+    grads_comp = [x2.grad] + [p.grad for p in attn.parameters()]
+    for a, b in zip(grads_comp, grads_eager):
+        assert rel_err(a, b) <= 1e-5
+
+
+def test_fake_kernels_give_shapes_and_dtypes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        qkv = torch.empty(2, 5, 3 * 16, dtype=torch.bfloat16)
+        out, lse = torch.ops.causal_attention.attention_forward(qkv, None, 4)
+        grad = torch.ops.causal_attention.attention_backward(out, qkv, None, out, lse, 4)
+    assert out.shape == (2, 5, 16) and out.dtype == torch.bfloat16
+    assert lse.shape == (2, 4, 5) and lse.dtype == torch.float32
+    assert grad.shape == (2, 5, 48)
+
+
+_ISA_SCRIPT = """
+import torch, causal_attention
+from causal_attention import reference
+torch.manual_seed(0)
+qkv = torch.randn(2, 300, 3 * 4 * 40, requires_grad=True)
+mask = torch.arange(300)[None, :] < torch.tensor([[300], [170]])
+y = torch.ops.causal_attention.attention(qkv, mask, 4)
+ref = reference.attention_core(qkv.detach().double(), mask, 4)[0]
+err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+g, = torch.autograd.grad(y.sum(), qkv)
+print(torch.ops.causal_attention.cpu_capability(), err, bool(g.isfinite().all()))
+"""
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_each_instruction_set_is_exact(capability):
+    """The element-wise routines of each instruction set, forced with ATEN_CPU_CAPABILITY."""
+    if capability == "avx512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("this CPU has no AVX-512")
+    if capability == "avx2" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("this CPU has no AVX2")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    result = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, check=True)
+    name, err, finite = result.stdout.split()
+    assert name == capability.upper()
+    assert float(err) <= 2e-6 and finite == "True"
