@@ -49,5 +49,14 @@ demo: install
 bench: install
 	$(PY) -m causal_attention bench
 
+# The C++ tests under AddressSanitizer and UndefinedBehaviorSanitizer (a separate build).
+ASAN_BUILD := build/sanitize
+sanitize: setup
+	cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCA_SANITIZE=ON -DCA_BUILD_TESTS=ON \
+	  -DPython3_EXECUTABLE=$(CURDIR)/$(PY) -DCMAKE_MAKE_PROGRAM=$(CURDIR)/.venv/bin/ninja >/dev/null
+	cmake --build $(ASAN_BUILD)
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1\
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ctest --test-dir $(ASAN_BUILD) --output-on-failure
+
 clean:
 	rm -rf build demo_out

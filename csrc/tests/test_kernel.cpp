@@ -28,6 +28,13 @@ std::optional<torch::Tensor> make_mask(const Case& c) {
   return mask;
 }
 
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  const char* masks[] = {"causal", "right", "holes"};
+  return "B" + std::to_string(c.B) + "_T" + std::to_string(c.T) + "_H" + std::to_string(c.H) + "_hd" +
+         std::to_string(c.hd) + "_" + masks[c.mask_kind];
+}
+
 class KernelTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(KernelTest, ForwardAndBackwardMatchComposition) {
@@ -51,7 +58,8 @@ TEST_P(KernelTest, ForwardAndBackwardMatchComposition) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, KernelTest,
                          ::testing::Values(Case{1, 1, 1, 8, 0}, Case{2, 127, 2, 16, 1}, Case{2, 129, 3, 20, 2},
-                                           Case{1, 257, 2, 64, 1}, Case{2, 300, 1, 80, 2}, Case{3, 64, 4, 4, 0}));
+                                           Case{1, 257, 2, 64, 1}, Case{2, 300, 1, 80, 2}, Case{3, 64, 4, 4, 0}),
+                         case_name);
 
 TEST(Kernel, DeterministicAcrossRuns) {
   torch::manual_seed(1);

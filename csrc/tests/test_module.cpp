@@ -79,7 +79,12 @@ TEST_P(ParityTest, MatchesMultiheadAttentionOutputsAndGradients) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ParityTest,
                          ::testing::Values(Shape{1, 1, 1, 8}, Shape{2, 7, 3, 16}, Shape{3, 64, 4, 48},
-                                           Shape{2, 113, 2, 80}, Shape{4, 33, 12, 4}));
+                                           Shape{2, 113, 2, 80}, Shape{4, 33, 12, 4}),
+                         [](const ::testing::TestParamInfo<Shape>& info) {
+                           const Shape& s = info.param;
+                           return "B" + std::to_string(s.B) + "_T" + std::to_string(s.T) + "_H" + std::to_string(s.H) +
+                                  "_hd" + std::to_string(s.hd);
+                         });
 
 TEST(Causality, GradientOfOutputTIsExactlyZeroForLaterInputs) {
   torch::manual_seed(7);

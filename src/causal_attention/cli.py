@@ -17,6 +17,15 @@ def main(argv: list[str] | None = None) -> None:
     check.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds (median)")
     check.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
 
+    bench = sub.add_parser("bench", help="the kernel and the module against PyTorch's own, with a plot")
+    bench.add_argument("--T", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096], help="sequence lengths")
+    bench.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds (median)")
+    bench.add_argument("--json", type=Path, default=Path("bench_out/bench.json"), help="write the report as JSON")
+    bench.add_argument("--plot", type=Path, default=Path("bench_out/bench.png"), help="write time-vs-T plot (PNG)")
+    bench.add_argument("--no-bf16", dest="bf16", action="store_false", help="skip the bfloat16 rows")
+    bench.add_argument("--no-memory", dest="memory", action="store_false", help="skip peak memory at T=4096, 8192")
+    bench.add_argument("--no-backward", dest="backward", action="store_false", help="time the forward pass only")
+
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -24,6 +33,11 @@ def main(argv: list[str] | None = None) -> None:
         from . import check as check_mod
 
         check_mod.main(repeats=args.repeats, json_path=args.json)
+    elif args.command == "bench":
+        from . import bench as bench_mod
+
+        bench_mod.main(lengths=args.T, repeats=args.repeats, json_path=args.json, plot_path=args.plot,
+                       bf16=args.bf16, memory=args.memory, backward=args.backward)
 
 
 if __name__ == "__main__":
