@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "causal_attention/attention.h"
 #include "tile_ops.h"
@@ -118,21 +119,54 @@ void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, 
         }
         const int64_t k0 = kb * kBlockK;
         const int64_t bk = std::min(k_stop, k0 + kBlockK) - k0;
-        const auto k = seq.narrow(0, k0, bk).narrow(1, g.dim + h * g.hd, g.hd);      // (bk, hd)
-        const auto v = seq.narrow(0, k0, bk).narrow(1, 2 * g.dim + h * g.hd, g.hd);  // (bk, hd)
-        at::Tensor s = tile(scores, bq, bk);                                         // (bq, bk)
-        at::mm_out(s, q, k.t());
-        const int64_t causal_offset = (k0 + bk - 1 > q0) ? q0 - k0 : tile::kNoCausal;
         const bool* key_mask = (st == kMixed) ? mask_ptr + b * g.T + k0 : nullptr;
-        ops.softmax_tile(s.data_ptr<scalar_t>(), bk, bq, bk, scale, causal_offset, key_mask, m, l, alpha, buf);
-        at::Tensor pv_tile = tile(pv, bq, g.hd);  // (bq, hd)
-        at::mm_out(pv_tile, s, v);
-        ops.rescale_add(o_acc, g.hd, pv_tile.data_ptr<scalar_t>(), g.hd, bq, g.hd, alpha);
+        // Rows r0..r1 of the query block against the first `cols` keys of the key block.
+        const auto attend = [&](int64_t r0, int64_t r1, int64_t cols) {
+          const auto k = seq.narrow(0, k0, cols).narrow(1, g.dim + h * g.hd, g.hd);      // (cols, hd)
+          const auto v = seq.narrow(0, k0, cols).narrow(1, 2 * g.dim + h * g.hd, g.hd);  // (cols, hd)
+          at::Tensor s = tile(scores, r1 - r0, cols);                                    // (rows, cols)
+          at::mm_out(s, q.narrow(0, r0, r1 - r0), k.t());
+          const int64_t causal_offset = (k0 + cols - 1 > q0 + r0) ? q0 + r0 - k0 : tile::kNoCausal;
+          ops.softmax_tile(s.data_ptr<scalar_t>(), cols, r1 - r0, cols, scale, causal_offset, key_mask, m + r0,
+                           l + r0, alpha + r0, buf);
+          at::Tensor pv_tile = tile(pv, r1 - r0, g.hd);  // (rows, hd)
+          at::mm_out(pv_tile, s, v);
+          ops.rescale_add(o_acc + r0 * g.hd, g.hd, pv_tile.data_ptr<scalar_t>(), g.hd, r1 - r0, g.hd, alpha + r0);
+        };
+        if (k0 + bk - 1 <= q0) {  // below the diagonal: every row sees every key
+          attend(0, bq, bk);
+          continue;
+        }
+        // On the diagonal: rows in slices of kDiagonalRows, each against the keys it can see.
+        for (int64_t r0 = 0; r0 < bq; r0 += kDiagonalRows) {
+          const int64_t r1 = std::min(bq, r0 + kDiagonalRows);
+          const int64_t cols = std::min(bk, q0 + r1 - k0);
+          if (cols > 0) {
+            attend(r0, r1, cols);
+          }
+        }
       }
       ops.finalize(o_acc, g.hd, bq, g.hd, m, l, out_ptr + (b * g.T + q0) * g.dim + h * g.hd, g.dim,
                    lse_ptr + bh * g.T + q0);
     }
   });
+}
+
+// acc (rows, cols; leading dimension ld) += a @ b, accumulated in acc_t: straight into acc when
+// acc_t is the input type, else through the workspace tmp.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void accumulate_product(acc_t* acc, int64_t ld, const at::Tensor& a, const at::Tensor& b, const at::Tensor& tmp,
+                        const tile::TileOps<scalar_t>& ops) {
+  const int64_t rows = a.size(0);
+  const int64_t cols = b.size(1);
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    at::Tensor out = at::from_blob(acc, {rows, cols}, {ld, 1}, a.options());
+    at::addmm_out(out, out, a, b);
+  } else {
+    at::Tensor t = tile(tmp, rows, cols);
+    at::mm_out(t, a, b);
+    ops.add(acc, ld, t.data_ptr<scalar_t>(), cols, rows, cols);
+  }
 }
 
 template <typename scalar_t>
@@ -171,13 +205,23 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
       std::fill(dq_acc, dq_acc + g.T * g.hd, acc_t(0));
       scalar_t* grad_seq = grad_ptr + b * g.T * ld_grad;
 
+      // dK and dV of keys that no query may attend (padding) are zero.
+      const auto zero_key_rows = [&](int64_t k0, int64_t k1) {
+        for (int64_t t = k0; t < k1; ++t) {
+          scalar_t* row = grad_seq + t * ld_grad + h * g.hd;
+          std::fill(row + g.dim, row + g.dim + g.hd, scalar_t(0));
+          std::fill(row + 2 * g.dim, row + 2 * g.dim + g.hd, scalar_t(0));
+        }
+      };
+      zero_key_rows(key_end[b], g.T);
       for (int64_t kb = 0; kb * kBwdBlockK < key_end[b]; ++kb) {
         const uint8_t st = status[b * g.nk + kb];
-        if (st == kNoneReal) {
-          continue;
-        }
         const int64_t k0 = kb * kBwdBlockK;
         const int64_t bk = std::min(key_end[b], k0 + kBwdBlockK) - k0;
+        if (st == kNoneReal) {
+          zero_key_rows(k0, k0 + bk);
+          continue;
+        }
         const auto k = seq.narrow(0, k0, bk).narrow(1, g.dim + h * g.hd, g.hd);      // (bk, hd)
         const auto v = seq.narrow(0, k0, bk).narrow(1, 2 * g.dim + h * g.hd, g.hd);  // (bk, hd)
         const bool* key_mask = (st == kMixed) ? mask_ptr + b * g.T + k0 : nullptr;
@@ -186,25 +230,36 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
 
         for (int64_t q0 = (k0 / kBwdBlockQ) * kBwdBlockQ; q0 < g.T; q0 += kBwdBlockQ) {
           const int64_t bq = std::min(g.T, q0 + kBwdBlockQ) - q0;
-          const auto q = seq.narrow(0, q0, bq).narrow(1, h * g.hd, g.hd);   // (bq, hd)
-          const auto dO = dout.narrow(0, q0, bq).narrow(1, h * g.hd, g.hd);  // (bq, hd)
-          at::Tensor p = tile(p_ws, bq, bk);                                 // (bq, bk)
-          at::Tensor dp = tile(dp_ws, bq, bk);                               // (bq, bk)
-          at::mm_out(p, q, k.t());
-          const int64_t causal_offset = (k0 + bk - 1 > q0) ? q0 - k0 : tile::kNoCausal;
-          ops.probabilities(p.data_ptr<scalar_t>(), bk, bq, bk, scale, causal_offset, key_mask,
-                            lse_ptr + bh * g.T + q0);
-          at::Tensor tk = tile(tmp_ws, bk, g.hd);  // (bk, hd)
-          at::mm_out(tk, p.t(), dO);              // dV += P^T dO
-          ops.add(dv_acc, g.hd, tk.data_ptr<scalar_t>(), g.hd, bk, g.hd);
-          at::mm_out(dp, dO, v.t());  // dP = dO V^T
-          ops.score_grad(dp.data_ptr<scalar_t>(), p.data_ptr<scalar_t>(), bk, bq, bk, scale,
-                         delta_ptr + (b * g.T + q0) * g.H + h, g.H);  // dS = scale * P (dP - delta)
-          at::Tensor tq = tile(tmp_ws, bq, g.hd);  // (bq, hd)
-          at::mm_out(tq, dp, k);                  // dQ += dS K
-          ops.add(dq_acc + q0 * g.hd, g.hd, tq.data_ptr<scalar_t>(), g.hd, bq, g.hd);
-          at::mm_out(tk, dp.t(), q);  // dK += dS^T Q
-          ops.add(dk_acc, g.hd, tk.data_ptr<scalar_t>(), g.hd, bk, g.hd);
+          // Query rows r0..r1 of the block against the first `cols` keys of the key block.
+          const auto grad_tile = [&](int64_t r0, int64_t r1, int64_t cols) {
+            const int64_t rows = r1 - r0;
+            const auto q = seq.narrow(0, q0 + r0, rows).narrow(1, h * g.hd, g.hd);   // (rows, hd)
+            const auto dO = dout.narrow(0, q0 + r0, rows).narrow(1, h * g.hd, g.hd);  // (rows, hd)
+            const auto kc = k.narrow(0, 0, cols);                                       // (cols, hd)
+            at::Tensor p = tile(p_ws, rows, cols);                                      // (rows, cols)
+            at::Tensor dp = tile(dp_ws, rows, cols);                                    // (rows, cols)
+            at::mm_out(p, q, kc.t());
+            const int64_t causal_offset = (k0 + cols - 1 > q0 + r0) ? q0 + r0 - k0 : tile::kNoCausal;
+            ops.probabilities(p.data_ptr<scalar_t>(), cols, rows, cols, scale, causal_offset, key_mask,
+                              lse_ptr + bh * g.T + q0 + r0);
+            accumulate_product(dv_acc, g.hd, p.t(), dO, tmp_ws, ops);  // dV += P^T dO
+            at::mm_out(dp, dO, v.narrow(0, 0, cols).t());               // dP = dO V^T
+            ops.score_grad(dp.data_ptr<scalar_t>(), p.data_ptr<scalar_t>(), cols, rows, cols, scale,
+                           delta_ptr + (b * g.T + q0 + r0) * g.H + h, g.H);  // dS = scale * P (dP - delta)
+            accumulate_product(dq_acc + (q0 + r0) * g.hd, g.hd, dp, kc, tmp_ws, ops);  // dQ += dS K
+            accumulate_product(dk_acc, g.hd, dp.t(), q, tmp_ws, ops);                  // dK += dS^T Q
+          };
+          if (k0 + bk - 1 <= q0) {  // below the diagonal: every row sees every key
+            grad_tile(0, bq, bk);
+            continue;
+          }
+          for (int64_t r0 = 0; r0 < bq; r0 += kDiagonalRows) {  // on the diagonal, as in the forward
+            const int64_t r1 = std::min(bq, r0 + kDiagonalRows);
+            const int64_t cols = std::min(bk, q0 + r1 - k0);
+            if (cols > 0) {
+              grad_tile(r0, r1, cols);
+            }
+          }
         }
         ops.store(dk_acc, g.hd, bk, g.hd, grad_seq + k0 * ld_grad + g.dim + h * g.hd, ld_grad);
         ops.store(dv_acc, g.hd, bk, g.hd, grad_seq + k0 * ld_grad + 2 * g.dim + h * g.hd, ld_grad);
@@ -269,7 +324,7 @@ at::Tensor attention_backward_cpu(const at::Tensor& grad_out_in, const at::Tenso
   TORCH_CHECK_VALUE(lse.sizes() == at::IntArrayRef({g.B, g.H, g.T}), "lse must have shape (B, H, T); got ",
                     lse.sizes());
   const auto grad_out = grad_out_in.to(qkv.scalar_type()).contiguous();
-  auto grad_qkv = at::zeros({g.B, g.T, 3 * g.dim}, qkv.options());
+  auto grad_qkv = at::empty({g.B, g.T, 3 * g.dim}, qkv.options());  // every element is written
   if (grad_qkv.numel() == 0) {
     return grad_qkv;
   }

@@ -41,6 +41,9 @@ inline constexpr int64_t kBlockQ = 128;     // forward
 inline constexpr int64_t kBlockK = 256;     // forward
 inline constexpr int64_t kBwdBlockQ = 128;  // backward
 inline constexpr int64_t kBwdBlockK = 128;  // backward
+// Tiles on the causal diagonal go in slices of this many query rows, each with only the keys its
+// rows can see, to waste less of the masked triangle.
+inline constexpr int64_t kDiagonalRows = 64;
 
 // Fused CPU forward: (out (B, T, dim), lse (B, H, T)). lse is float32 (float64 for float64 inputs);
 // a query with no allowed key has out = 0 and lse = +inf. key_padding_mask: bool (B, T) or none.
