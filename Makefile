@@ -44,7 +44,7 @@ test-py: install
 test: test-cpp test-py
 
 demo: install
-	$(PY) -m causal_attention check
+	$(PY) -m causal_attention demo
 
 bench: install
 	$(PY) -m causal_attention bench

@@ -2,6 +2,8 @@
 
 #include "causal_attention/attention.h"
 
+#include <ATen/core/grad_mode.h>
+
 namespace causal_attention {
 
 namespace {
@@ -14,17 +16,61 @@ int64_t checked_dim(int64_t dim, int64_t n_heads) {
 }
 }  // namespace
 
+KVCache::KVCache(int64_t batch_size, int64_t n_heads, int64_t head_dim, int64_t max_len,
+                 const at::TensorOptions& options) {
+  TORCH_CHECK_VALUE(batch_size > 0 && n_heads > 0 && head_dim > 0 && max_len > 0,
+                    "KVCache sizes must be positive; got batch_size=", batch_size, ", n_heads=", n_heads,
+                    ", head_dim=", head_dim, ", max_len=", max_len);
+  k = at::zeros({batch_size, n_heads, max_len, head_dim}, options);
+  v = at::zeros({batch_size, n_heads, max_len, head_dim}, options);
+  lengths = at::zeros({batch_size}, options.dtype(at::kLong));
+}
+
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t dim, int64_t n_heads)
     : dim_(checked_dim(dim, n_heads)), n_heads_(n_heads) {
   qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(dim, 3 * dim).bias(true)));
   proj = register_module("proj", torch::nn::Linear(torch::nn::LinearOptions(dim, dim).bias(true)));
 }
 
-at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, const std::optional<at::Tensor>& key_padding_mask) {
+void CausalSelfAttentionImpl::check_x(const at::Tensor& x) const {
   TORCH_CHECK_VALUE(x.dim() == 3, "x must be 3-D (B, T, dim); got shape ", x.sizes());
   TORCH_CHECK_VALUE(x.size(2) == dim_, "x must have last dimension dim=", dim_, "; got shape ", x.sizes());
   TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), "x must be a floating-point tensor; got dtype ",
                    x.scalar_type());
+}
+
+KVCache CausalSelfAttentionImpl::make_cache(int64_t batch_size, int64_t max_len) const {
+  return KVCache(batch_size, n_heads_, head_dim(), max_len, qkv->weight.options());
+}
+
+at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, const std::optional<at::Tensor>& key_padding_mask,
+                                            KVCache& cache) {
+  check_x(x);
+  TORCH_CHECK_VALUE(x.device().is_cpu(), "the C++ KV cache path runs on CPU tensors; got x on ", x.device());
+  TORCH_CHECK_VALUE(!at::GradMode::is_enabled() || !(x.requires_grad() || qkv->weight.requires_grad()),
+                    "the KV cache is for inference: call the layer under torch::NoGradGuard");
+  const auto mask = normalize_key_padding_mask(key_padding_mask, x);  // (B, t) bool or none
+  const int64_t t = x.size(1);
+  const auto start = cache.lengths;  // (B,)
+  at::Tensor end;
+  if (mask.has_value()) {
+    const auto n_real = mask->sum(1);  // (B,)
+    const auto right_padded = at::arange(t, n_real.options()).unsqueeze(0) < n_real.unsqueeze(1);
+    TORCH_CHECK_VALUE(at::equal(*mask, right_padded),
+                      "with a cache, key_padding_mask must be right padding (real tokens first)");
+    end = start + n_real;
+  } else {
+    end = start + t;
+  }
+  const auto qkv_out = qkv->forward(x);  // (B, t, 3 * dim)
+  kernels::kv_cache_write_cpu(qkv_out, cache.k, cache.v, start, n_heads_);
+  const auto heads = kernels::decode_attention_cpu(qkv_out, cache.k, cache.v, start, end, n_heads_);  // (B, t, dim)
+  cache.lengths.copy_(end);
+  return proj->forward(heads);
+}
+
+at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, const std::optional<at::Tensor>& key_padding_mask) {
+  check_x(x);
   const auto mask = normalize_key_padding_mask(key_padding_mask, x);  // (B, T) bool or none
   const auto qkv_out = qkv->forward(x);                                // (B, T, 3 * dim)
   const auto heads = attention(qkv_out, mask, n_heads_);               // (B, T, dim)

@@ -3,6 +3,8 @@
 //   attention(qkv, key_padding_mask, n_heads) -> out                  differentiable, any device
 //   attention_forward(qkv, key_padding_mask, n_heads) -> (out, lse)   the fused CPU kernel
 //   attention_backward(grad_out, qkv, key_padding_mask, out, lse, n_heads) -> grad_qkv
+//   kv_cache_write(qkv, k_cache!, v_cache!, start, n_heads)         generation: static KV cache
+//   decode_attention(qkv, k_cache, v_cache, start, end, n_heads) -> out
 //
 // On CPU, `attention` runs the fused kernels with a C++ autograd function; on other devices it is
 // the ATen composition (kernels::attention_composite). Fake kernels for torch.compile: _ops.py.
@@ -77,6 +79,10 @@ TORCH_LIBRARY(causal_attention, m) {
       "attention_backward(Tensor grad_out, Tensor qkv, Tensor? key_padding_mask, Tensor out, Tensor lse, "
       "int n_heads) -> Tensor grad_qkv");
   m.def("cpu_capability() -> str");
+  m.def("kv_cache_write(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, int n_heads) -> ()");
+  m.def(
+      "decode_attention(Tensor qkv, Tensor k_cache, Tensor v_cache, Tensor start, Tensor end, int n_heads) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, Autograd, m) { m.impl("attention", &attention_autograd); }
@@ -88,6 +94,8 @@ TORCH_LIBRARY_IMPL(causal_attention, CompositeExplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
   m.impl("attention_forward", &kernels::attention_forward_cpu);
   m.impl("attention_backward", &kernels::attention_backward_cpu);
+  m.impl("kv_cache_write", &kernels::kv_cache_write_cpu);
+  m.impl("decode_attention", &kernels::decode_attention_cpu);
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, CatchAll, m) {

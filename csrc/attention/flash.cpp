@@ -49,6 +49,13 @@ MaskSummary summarize(const std::optional<at::Tensor>& mask, int64_t B, int64_t 
   return {status.to(at::kByte).contiguous(), key_end.contiguous()};
 }
 
+// Query rows per slice of a diagonal tile. With float/double GEMMs the masked triangle is worth
+// skipping; bfloat16/half GEMMs (oneDNN) are fast enough that more, smaller GEMMs cost more.
+template <typename scalar_t>
+constexpr int64_t diagonal_rows() {
+  return std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double> ? kDiagonalRows : kBlockQ;
+}
+
 // A (rows, cols) matrix view of a flat workspace.
 at::Tensor tile(const at::Tensor& workspace, int64_t rows, int64_t cols) {
   return workspace.narrow(0, 0, rows * cols).view({rows, cols});
@@ -137,9 +144,9 @@ void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, 
           attend(0, bq, bk);
           continue;
         }
-        // On the diagonal: rows in slices of kDiagonalRows, each against the keys it can see.
-        for (int64_t r0 = 0; r0 < bq; r0 += kDiagonalRows) {
-          const int64_t r1 = std::min(bq, r0 + kDiagonalRows);
+        // On the diagonal: rows in slices, each against the keys it can see.
+        for (int64_t r0 = 0; r0 < bq; r0 += diagonal_rows<scalar_t>()) {
+          const int64_t r1 = std::min(bq, r0 + diagonal_rows<scalar_t>());
           const int64_t cols = std::min(bk, q0 + r1 - k0);
           if (cols > 0) {
             attend(r0, r1, cols);
@@ -253,8 +260,8 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
             grad_tile(0, bq, bk);
             continue;
           }
-          for (int64_t r0 = 0; r0 < bq; r0 += kDiagonalRows) {  // on the diagonal, as in the forward
-            const int64_t r1 = std::min(bq, r0 + kDiagonalRows);
+          for (int64_t r0 = 0; r0 < bq; r0 += diagonal_rows<scalar_t>()) {  // on the diagonal, as in the forward
+            const int64_t r1 = std::min(bq, r0 + diagonal_rows<scalar_t>());
             const int64_t cols = std::min(bk, q0 + r1 - k0);
             if (cols > 0) {
               grad_tile(r0, r1, cols);

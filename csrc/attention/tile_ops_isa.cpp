@@ -100,30 +100,16 @@ inline acc_t exp_shift_sum(acc_t* x, int64_t n, acc_t shift) {
   return sum;
 }
 
-// max_j x[j] over j < n, read as acc_t.
-template <typename scalar_t, typename acc_t>
-inline acc_t row_max(const scalar_t* x, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    return max_of(x, n);
-  } else {
-    acc_t result = kNegInf<acc_t>;
-    for (int64_t j = 0; j < n; ++j) {
-      result = std::max(result, static_cast<acc_t>(x[j]));
-    }
-    return result;
-  }
-}
-
-// x[j] = exp(scale * x[j] - shift) for j < n, in place; returns the sum (before rounding to
-// scalar_t). -inf entries give exactly 0. buf: scratch for the conversion of narrow types.
-template <typename scalar_t, typename acc_t>
-inline acc_t exp_scaled_inplace(scalar_t* x, int64_t n, acc_t scale, acc_t shift, acc_t* buf) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
+// x[j] = exp(scale * x[j] - shift) for j < n, in place; returns the sum. -inf entries give 0.
+template <typename acc_t>
+inline acc_t exp_scaled_inplace(acc_t* x, int64_t n, acc_t scale, acc_t shift) {
+  int64_t j = 0;
+  acc_t sum = 0;
+  if constexpr (std::is_same_v<acc_t, float>) {
     constexpr int64_t W = Vec<float>::size();
     const Vec<float> vscale(scale);
     const Vec<float> vshift(shift);
     Vec<float> vsum(0.f);
-    int64_t j = 0;
     for (; j + W <= n; j += W) {
       const auto e = at::vec::fmsub(Vec<float>::loadu(x + j), vscale, vshift).exp_u20();
       e.store(x + j);
@@ -131,21 +117,15 @@ inline acc_t exp_scaled_inplace(scalar_t* x, int64_t n, acc_t scale, acc_t shift
     }
     float lanes[W];
     vsum.store(lanes);
-    float sum = 0;
     for (int64_t w = 0; w < W; ++w) {
       sum += lanes[w];
     }
-    for (; j < n; ++j) {
-      x[j] = std::exp(x[j] * scale - shift);
-      sum += x[j];
-    }
-    return sum;
-  } else {
-    load_scaled(x, n, scale, buf);
-    const acc_t sum = exp_shift_sum(buf, n, shift);
-    store_row(buf, n, n, x);
-    return sum;
   }
+  for (; j < n; ++j) {
+    x[j] = std::exp(x[j] * scale - shift);
+    sum += x[j];
+  }
+  return sum;
 }
 
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
@@ -159,15 +139,29 @@ void softmax_tile(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t sca
         row[j] = key_mask[j] ? row[j] : static_cast<scalar_t>(kNegInf<acc_t>);
       }
     }
+    // float works in place; narrower types are widened into buf once (vectorised max and exp).
+    acc_t row_max_raw;
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      row_max_raw = max_of(row, n);
+    } else {
+      load_scaled(row, n, acc_t(1), buf);
+      row_max_raw = max_of(buf, n);
+    }
     // scale > 0, so the max of the scaled row is scale times the max of the raw row.
-    const acc_t m_new = std::max(m[i], scale * row_max<scalar_t, acc_t>(row, n));
+    const acc_t m_new = std::max(m[i], scale * row_max_raw);
     if (m_new == kNegInf<acc_t>) {  // no allowed key yet: the row stays empty
       alpha[i] = 1;
       std::fill(row, row + cols, scalar_t(0));
       continue;
     }
     alpha[i] = std::exp(m[i] - m_new);  // 0 when m[i] = -inf
-    const acc_t sum = exp_scaled_inplace(row, n, scale, m_new, buf);
+    acc_t sum;
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      sum = exp_scaled_inplace(row, n, scale, m_new);
+    } else {
+      sum = exp_scaled_inplace(buf, n, scale, m_new);
+      store_row(buf, n, n, row);
+    }
     std::fill(row + n, row + cols, scalar_t(0));
     l[i] = l[i] * alpha[i] + sum;
     m[i] = m_new;

@@ -190,3 +190,57 @@ TEST(Errors, OpChecksQkv) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(KVCache, PrefillThenDecodeEqualsFullForward) {
+  torch::manual_seed(21);
+  const int64_t B = 3, T = 20, H = 2, hd = 8;
+  CausalSelfAttention attn(H * hd, H);
+  attn->to(torch::kFloat64);
+  torch::NoGradGuard no_grad;
+  const auto x = torch::randn({B, T, H * hd}, torch::kFloat64);
+  const auto full = attn->forward(x);  // every sequence of length T
+  const auto prompts = torch::tensor({int64_t{12}, int64_t{3}, int64_t{1}});
+  const int64_t P = 12;
+  auto cache = attn->make_cache(B, 2 * T);
+  const auto mask = torch::arange(P).unsqueeze(0) < prompts.unsqueeze(1);
+  const auto prefill = attn->forward(x.narrow(1, 0, P), mask, cache);
+  EXPECT_TRUE(torch::equal(cache.lengths, prompts));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t p = prompts[b].item<int64_t>();
+    EXPECT_LE(max_abs_diff(prefill[b].narrow(0, 0, p), full[b].narrow(0, 0, p)), 1e-10);
+  }
+  auto positions = prompts.clone();
+  for (int step = 0; step < 7; ++step) {
+    const auto idx = positions.clamp_max(T - 1);
+    const auto step_x = x.index({torch::arange(B), idx}).unsqueeze(1);  // (B, 1, dim)
+    const auto y = attn->forward(step_x, std::nullopt, cache).squeeze(1);
+    const auto expected = full.index({torch::arange(B), idx});
+    EXPECT_LE(max_abs_diff(y, expected), 1e-10) << "step " << step;
+    positions += 1;
+  }
+  EXPECT_TRUE(torch::equal(cache.lengths, positions));
+  cache.reset();
+  EXPECT_EQ(cache.lengths.sum().item<int64_t>(), 0);
+}
+
+TEST(KVCache, OverflowAndMisuseAreClearErrors) {
+  CausalSelfAttention attn(16, 2);
+  auto cache = attn->make_cache(2, 4);
+  {
+    torch::NoGradGuard no_grad;
+    attn->forward(torch::randn({2, 3, 16}), std::nullopt, cache);
+    const auto msg = error_of([&] { attn->forward(torch::randn({2, 2, 16}), std::nullopt, cache); });
+    EXPECT_NE(msg.find("KV cache overflow"), std::string::npos) << msg;
+    const auto left = torch::tensor({{false, true}, {true, true}});
+    auto fresh = attn->make_cache(2, 4);
+    EXPECT_NE(error_of([&] { attn->forward(torch::randn({2, 2, 16}), left, fresh); }).find("right padding"),
+              std::string::npos);
+  }
+  auto fresh = attn->make_cache(2, 4);
+  EXPECT_NE(error_of([&] { attn->forward(torch::randn({2, 1, 16}), std::nullopt, fresh); }).find("for inference"),
+            std::string::npos);
+}
+
+}  // namespace

@@ -5,7 +5,8 @@
     out = attn(x, key_padding_mask)   # x (B, T, 768); key_padding_mask (B, T), True = real token
 """
 
+from .cache import KVCache
 from .module import CausalSelfAttention
 
-__all__ = ["CausalSelfAttention"]
+__all__ = ["CausalSelfAttention", "KVCache"]
 __version__ = "0.1.0"

@@ -37,6 +37,15 @@ def _register_fakes() -> None:
         lse = qkv.new_empty((B, n_heads, T), dtype=lse_dtype)  # (B, H, T)
         return out, lse
 
+    @torch.library.register_fake("causal_attention::kv_cache_write")
+    def _cache_write_fake(qkv, k_cache, v_cache, start, n_heads):  # type: ignore[no-untyped-def]
+        return None
+
+    @torch.library.register_fake("causal_attention::decode_attention")
+    def _decode_fake(qkv, k_cache, v_cache, start, end, n_heads):  # type: ignore[no-untyped-def]
+        B, t, three_dim = qkv.shape
+        return qkv.new_empty((B, t, three_dim // 3))  # (B, t, dim)
+
     @torch.library.register_fake("causal_attention::attention_backward")
     def _backward_fake(grad_out, qkv, key_padding_mask, out, lse, n_heads):  # type: ignore[no-untyped-def]
         return qkv.new_empty(qkv.shape)  # (B, T, 3 * dim)

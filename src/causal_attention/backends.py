@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _ops, reference
+from .cache import KVCache
 
 Backend = Literal["auto", "cpp", "sdpa", "reference"]
 BACKENDS: tuple[str, ...] = ("cpp", "sdpa", "reference")
@@ -75,23 +76,59 @@ def _cpp(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int) -> Tensor:
     return torch.ops.causal_attention.attention(qkv, key_padding_mask, n_heads)
 
 
+def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
+    """F.scaled_dot_product_attention with a bool mask (True = may attend), where a query with no
+    allowed key gives 0 instead of NaN.
+
+    q (B, H, Tq, hd), k and v (B, H, Tk, hd), allowed (B, Tq, Tk) -> (B, H, Tq, hd).
+    """
+    has_key = allowed.any(-1)  # (B, Tq)
+    # A row with no allowed key would be all -inf (NaN): let it see key 0, then zero it.
+    first = torch.zeros_like(allowed)
+    first[..., 0] = True
+    allowed = allowed | (~has_key[..., None] & first)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])  # (B, H, Tq, hd)
+    return out.masked_fill(~has_key[:, None, :, None], 0)
+
+
+def _split_heads(qkv: Tensor, n_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """qkv (B, T, 3 * dim) -> q, k, v, each (B, H, T, hd)."""
+    dim = qkv.shape[2] // 3
+    q, k, v = qkv.unflatten(2, (3, n_heads, dim // n_heads)).unbind(2)  # each (B, T, H, hd)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
 def _sdpa(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int) -> Tensor:
     B, T, three_dim = qkv.shape
-    dim = three_dim // 3
-    q, k, v = qkv.unflatten(2, (3, n_heads, dim // n_heads)).unbind(2)  # each (B, T, H, hd)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # each (B, H, T, hd)
+    q, k, v = _split_heads(qkv, n_heads)  # each (B, H, T, hd)
     if key_padding_mask is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
     else:
         causal = torch.ones(T, T, dtype=torch.bool, device=qkv.device).tril()  # (T, T)
-        allowed = causal & key_padding_mask[:, None, :]  # (B, T, T)
-        has_key = key_padding_mask.cumsum(1, dtype=torch.int32) > 0  # (B, T)
-        # A row with no allowed key would be all -inf (NaN): let it see its own key, then zero it.
-        eye = torch.eye(T, dtype=torch.bool, device=qkv.device)
-        allowed = allowed | (~has_key[:, :, None] & eye)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])  # (B, H, T, hd)
-        out = out.masked_fill(~has_key[:, None, :, None], 0)
-    return out.transpose(1, 2).reshape(B, T, dim)  # (B, T, dim)
+        out = masked_sdpa(q, k, v, causal & key_padding_mask[:, None, :])  # (B, H, T, hd)
+    return out.transpose(1, 2).reshape(B, T, three_dim // 3)  # (B, T, dim)
+
+
+def cached_attention_torch(qkv: Tensor, cache: KVCache, start: Tensor, end: Tensor, n_heads: int) -> Tensor:
+    """The KV cache path in plain torch (any device): writes the new k and v, then attends.
+
+    qkv (B, t, 3 * dim); start, end (B,): new query i of sequence b sits at start[b] + i and sees
+    cache positions j <= min(start[b] + i, end[b] - 1). Returns (B, t, dim).
+    """
+    B, t, three_dim = qkv.shape
+    q, k_new, v_new = _split_heads(qkv, n_heads)  # each (B, H, t, hd)
+    positions = start[:, None] + torch.arange(t, device=qkv.device)  # (B, t)
+    if not torch.compiler.is_compiling() and int(positions.max()) >= cache.max_len:
+        raise ValueError(
+            f"KV cache overflow: {t} new tokens after {int(start.max())} do not fit in max_len={cache.max_len}"
+        )
+    index = positions[:, None, :, None].expand_as(k_new)  # (B, H, t, hd)
+    cache.k.scatter_(2, index, k_new)
+    cache.v.scatter_(2, index, v_new)
+    keys = torch.arange(cache.max_len, device=qkv.device)  # (L,)
+    allowed = (keys[None, None, :] <= positions[:, :, None]) & (keys[None, None, :] < end[:, None, None])  # (B, t, L)
+    out = masked_sdpa(q, cache.k, cache.v, allowed)  # (B, H, t, hd)
+    return out.transpose(1, 2).reshape(B, t, three_dim // 3)  # (B, t, dim)
 
 
 def _reference(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int) -> Tensor:

@@ -64,6 +64,7 @@ class Report:
     copy_gbs: float
     rows: list[Row] = field(default_factory=list)
     memory: list[dict[str, float]] = field(default_factory=list)
+    decode: list[dict[str, float | str]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 
 
@@ -147,6 +148,57 @@ def _module_impls(T: int, dim: int, H: int, mask: Tensor | None, dtype: torch.dt
     return impls
 
 
+def decode_rows(copy_gbs: float, *, repeats: int = 7) -> list[dict[str, float | str]]:
+    """A single-token decode step at B=8, context 2048, dim 768, 12 heads (float32): the layer and
+    its attention op alone, with the bytes of K and V read against the copy ceiling; then a tiny
+    GPT generating at context ~1024 with the KV cache and without it (recomputing the prefix)."""
+    from .gpt import GPTConfig, TinyGPT
+
+    rows: list[dict[str, float | str]] = []
+    B, ctx, dim, H = 8, 2048, 768, 12
+    hd = dim // H
+    attn = CausalSelfAttention(dim, H)
+    cache = attn.make_cache(B, ctx + 1)
+    with torch.no_grad():
+        cache.k.normal_()
+        cache.v.normal_()
+        cache.lengths.fill_(ctx - 1)  # the step's token is the ctx-th: it reads ctx keys
+        x = torch.randn(B, 1, dim)
+        qkv = attn.qkv(x)
+        start = cache.lengths.clone()
+        end = start + 1
+
+        def layer_step() -> None:
+            cache.lengths.copy_(start)
+            attn(x, cache=cache)
+
+        def attention_op() -> None:
+            torch.ops.causal_attention.decode_attention(qkv, cache.k, cache.v, start, end, H)
+
+        t = interleaved_medians({"layer": layer_step, "op": attention_op}, repeats=repeats, warmup=2)
+    kv_bytes = 2 * B * H * ctx * hd * 4
+    for name, label in (("layer", "decode step: whole layer"), ("op", "decode step: attention op")):
+        gbs = kv_bytes / t[name] / 1e9
+        rows.append({"row": label, "ms": t[name] * 1e3, "kv_GB_per_s": gbs, "of_copy": gbs / copy_gbs,
+                     "shape": f"B={B} ctx={ctx} dim={dim} H={H} float32"})
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=256, max_len=1100, dim=256, n_layers=4, n_heads=4)).eval()
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1024, 1000, 990, 1012)]
+    new_tokens = 32
+    t = interleaved_medians({
+        "cache": lambda: model.generate(prompts, new_tokens),
+        "nocache": lambda: model.generate(prompts, new_tokens, use_cache=False),
+    }, repeats=3, warmup=1)
+    produced = len(prompts) * new_tokens
+    rows.append({"row": "generate, KV cache", "ms": t["cache"] * 1e3, "tokens_per_s": produced / t["cache"],
+                 "speedup": t["nocache"] / t["cache"], "shape": "TinyGPT dim=256 L=4, 4 prompts ~1024 + 32 new"})
+    rows.append({"row": "generate, no cache", "ms": t["nocache"] * 1e3, "tokens_per_s": produced / t["nocache"],
+                 "speedup": 1.0, "shape": "recomputes the prefix every step"})
+    return rows
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -167,7 +219,7 @@ def _rows(level: str, dtype: torch.dtype, T: int, mask_name: str, fwd: dict[str,
 
 def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repeats: int = 5,
               dtypes: tuple[torch.dtype, ...] = (torch.float32,), memory_lengths: tuple[int, ...] = (4096, 8192),
-              backward: bool = True) -> Report:
+              backward: bool = True, decode: bool = True) -> Report:
     report = Report(B=B, H=H, hd=hd, threads=torch.get_num_threads(),
                     capability=str(torch.ops.causal_attention.cpu_capability()),
                     mm_gflops={_name(dt): mm_ceiling(dt) for dt in dtypes}, copy_gbs=copy_ceiling())
@@ -177,7 +229,7 @@ def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repe
     gen = torch.Generator().manual_seed(0)
     steps = [(dt, T, m) for dt in dtypes for T in lengths for m in ("causal", "padded")]
     with Progress(transient=True) as progress:
-        task = progress.add_task("bench", total=len(steps) + len(memory_lengths))
+        task = progress.add_task("bench", total=len(steps) + len(memory_lengths) + int(decode))
         for dtype, T, mask_name in steps:
             progress.update(task, description=f"{str(dtype)[6:]} T={T} {mask_name}")
             mask = None if mask_name == "causal" else _padded_mask(B, T, gen)
@@ -201,12 +253,16 @@ def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repe
             progress.update(task, description=f"memory T={T}")
             report.memory.append({"T": T, **{impl: peak_extra_mb(impl, B, T, H, hd) for impl in ("ours", "sdpa(bool mask)")}})
             progress.advance(task)
+        if decode:
+            progress.update(task, description="decode")
+            report.decode = decode_rows(report.copy_gbs)
+            progress.advance(task)
     return report
 
 
 _MEMORY_SCRIPT = """
-import resource, sys, torch, causal_attention
-from causal_attention.bench import _kernel_impls, _padded_mask, _rss_mb
+import sys, torch, causal_attention
+from causal_attention.bench import _kernel_impls, _padded_mask, _peak_rss_mb, _rss_mb
 impl, B, T, H, hd = sys.argv[1], *map(int, sys.argv[2:])
 torch.set_num_threads({threads})
 mask = _padded_mask(B, T, torch.Generator().manual_seed(0))
@@ -215,13 +271,20 @@ qkv = torch.randn(B, T, 3 * H * hd, requires_grad=True)
 g = torch.randn(B, T, H * hd)
 before = _rss_mb()
 fn(qkv).backward(g)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before)
+print(_peak_rss_mb() - before)
 """
 
 
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def _peak_rss_mb() -> float:
+    """High-water resident set of this process (VmHWM: unlike ru_maxrss, not inherited over fork)."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
 
 
 def peak_extra_mb(impl: str, B: int, T: int, H: int, hd: int) -> float:
@@ -259,6 +322,17 @@ def print_report(report: Report, console: Console | None = None) -> None:
             a, b = report.memory[0], report.memory[-1]
             mem.caption = "growth " + ", ".join(f"{i}: {b[i] / a[i]:.2f}x" for i in impls) + f" from T={a['T']} to T={b['T']}"
         console.print(mem)
+    if report.decode:
+        dec = Table(title=f"generation (copy ceiling {report.copy_gbs:.1f} GB/s)")
+        for col in ("row", "ms", "K+V GB/s", "of copy", "tokens/s", "x vs no cache", "shape"):
+            dec.add_column(col, justify="left" if col in ("row", "shape") else "right")
+        for d in report.decode:
+            dec.add_row(str(d["row"]), f"{d['ms']:.2f}",
+                        f"{d['kv_GB_per_s']:.1f}" if "kv_GB_per_s" in d else "-",
+                        f"{100 * float(d['of_copy']):.0f}%" if "of_copy" in d else "-",
+                        f"{d['tokens_per_s']:,.0f}" if "tokens_per_s" in d else "-",
+                        f"{d['speedup']:.1f}x" if "speedup" in d else "-", str(d["shape"]))
+        console.print(dec)
     for s in report.skipped:
         console.print(f"skipped: {s}")
 
@@ -297,10 +371,10 @@ def plot_report(report: Report, path: Path) -> None:
 
 
 def main(*, lengths: list[int], repeats: int, json_path: Path | None, plot_path: Path | None, bf16: bool,
-         memory: bool, backward: bool) -> Report:
+         memory: bool, backward: bool, decode: bool) -> Report:
     dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
     report = run_bench(lengths=lengths, repeats=repeats, dtypes=dtypes,
-                       memory_lengths=(4096, 8192) if memory else (), backward=backward)
+                       memory_lengths=(4096, 8192) if memory else (), backward=backward, decode=decode)
     print_report(report)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

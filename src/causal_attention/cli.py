@@ -25,6 +25,13 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("--no-bf16", dest="bf16", action="store_false", help="skip the bfloat16 rows")
     bench.add_argument("--no-memory", dest="memory", action="store_false", help="skip peak memory at T=4096, 8192")
     bench.add_argument("--no-backward", dest="backward", action="store_false", help="time the forward pass only")
+    bench.add_argument("--no-decode", dest="decode", action="store_false", help="skip the generation rows")
+
+    demo = sub.add_parser("demo", help="train a tiny GPT on digit reversal, then generate with the KV cache")
+    demo.add_argument("--steps", type=int, default=1500, help="training steps")
+    demo.add_argument("--seed", type=int, default=0, help="same seed, same result")
+    demo.add_argument("--out", type=Path, default=Path("demo_out"), help="where to write metrics, plots, model")
+    demo.add_argument("--load", type=Path, default=None, help="answer new problems with a saved model instead")
 
     args = parser.parse_args(argv)
     if args.threads is not None:
@@ -33,11 +40,15 @@ def main(argv: list[str] | None = None) -> None:
         from . import check as check_mod
 
         check_mod.main(repeats=args.repeats, json_path=args.json)
+    elif args.command == "demo":
+        from . import demo as demo_mod
+
+        demo_mod.main(steps=args.steps, seed=args.seed, out=args.out, load=args.load)
     elif args.command == "bench":
         from . import bench as bench_mod
 
         bench_mod.main(lengths=args.T, repeats=args.repeats, json_path=args.json, plot_path=args.plot,
-                       bf16=args.bf16, memory=args.memory, backward=args.backward)
+                       bf16=args.bf16, memory=args.memory, backward=args.backward, decode=args.decode)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from . import backends, reference
 from .backends import Backend
+from .cache import KVCache
 
 
 def _check_positive_int(name: str, value: object) -> int:
@@ -100,22 +101,48 @@ class CausalSelfAttention(nn.Module):
         if not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor; got dtype {x.dtype}")
 
+    def make_cache(
+        self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> KVCache:
+        """An empty KV cache for this layer: (batch_size, n_heads, max_len, head_dim) keys and values."""
+        return KVCache.empty(
+            batch_size,
+            self.n_heads,
+            self.head_dim,
+            max_len,
+            dtype=dtype or self.qkv.weight.dtype,
+            device=device or self.qkv.weight.device,
+        )
+
     def forward(
-        self, x: Tensor, key_padding_mask: Tensor | None = None, *, return_weights: bool = False
+        self,
+        x: Tensor,
+        key_padding_mask: Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Causal self-attention.
 
         Args:
             x: (B, T, dim).
             key_padding_mask: (B, T), True (or 1) = real token, False (or 0) = padding; None = all real.
+            cache: keyword-only; a KVCache to generate with (inference only). x holds the new tokens
+                of each sequence, which attend the cache plus the new tokens up to themselves; their
+                keys and values are written at each sequence's own position and its length grows by
+                its number of real new tokens. With a cache the mask must be right padding.
             return_weights: keyword-only; also return the attention weights (B, H, T, T), computed
-                by the reference (for inspection: it materialises T x T).
+                by the reference (for inspection: it materialises T x T). Not with a cache.
 
         Returns:
             out (B, T, dim), or (out, weights) when return_weights.
         """
         self._check_x(x)
         mask = normalize_key_padding_mask(key_padding_mask, x)  # (B, T) bool or None
+        if cache is not None:
+            if return_weights:
+                raise ValueError("return_weights is not available with a cache")
+            return self._forward_cached(x, mask, cache)
         qkv = self.qkv(x)  # (B, T, 3 * dim)
         if return_weights:
             y, weights = reference.attention_core(qkv, mask, self.n_heads, return_weights=True)
@@ -124,3 +151,40 @@ class CausalSelfAttention(nn.Module):
         name = backends.select_backend(qkv, self.backend)
         y = backends.RUN[name](qkv, mask, self.n_heads)  # (B, T, dim)
         return self.proj(y)  # (B, T, dim)
+
+    def _check_cache(self, cache: KVCache, x: Tensor) -> None:
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache; got {type(cache).__name__}")
+        expected = (x.shape[0], self.n_heads, cache.max_len, self.head_dim)
+        if tuple(cache.k.shape) != expected or tuple(cache.v.shape) != expected:
+            raise ValueError(
+                f"cache must hold (B, n_heads, max_len, head_dim) = {expected} keys and values; got {tuple(cache.k.shape)}"
+            )
+        if cache.k.dtype != x.dtype or cache.k.device != x.device:
+            raise ValueError(
+                f"cache must match x's dtype and device ({x.dtype}, {x.device}); got ({cache.k.dtype}, {cache.k.device})"
+            )
+        if torch.is_grad_enabled() and (x.requires_grad or self.qkv.weight.requires_grad):
+            raise ValueError("the KV cache is for inference: call the layer under torch.no_grad() or torch.inference_mode()")
+
+    def _forward_cached(self, x: Tensor, mask: Tensor | None, cache: KVCache) -> Tensor:
+        self._check_cache(cache, x)
+        B, t = x.shape[0], x.shape[1]
+        start = cache.lengths  # (B,) tokens already in the cache
+        if mask is None:
+            end = start + t  # (B,)
+        else:
+            n_real = mask.sum(1)  # (B,)
+            if not torch.compiler.is_compiling():
+                right_padded = torch.arange(t, device=x.device)[None, :] < n_real[:, None]
+                if not torch.equal(mask, right_padded):
+                    raise ValueError("with a cache, key_padding_mask must be right padding (real tokens first)")
+            end = start + n_real  # (B,)
+        qkv = self.qkv(x)  # (B, t, 3 * dim)
+        if backends.select_backend(qkv, self.backend) == "cpp":
+            torch.ops.causal_attention.kv_cache_write(qkv, cache.k, cache.v, start, self.n_heads)
+            y = torch.ops.causal_attention.decode_attention(qkv, cache.k, cache.v, start, end, self.n_heads)
+        else:
+            y = backends.cached_attention_torch(qkv, cache, start, end, self.n_heads)  # (B, t, dim)
+        cache.lengths.copy_(end)
+        return self.proj(y)  # (B, t, dim)

@@ -56,6 +56,17 @@ at::Tensor attention_backward_cpu(const at::Tensor& grad_out, const at::Tensor& 
                                   const std::optional<at::Tensor>& key_padding_mask, const at::Tensor& out,
                                   const at::Tensor& lse, int64_t n_heads);
 
+// Static KV cache (B, H, max_len, hd): writes the k and v of the t new tokens of qkv (B, t, 3 * dim)
+// at positions start[b] .. start[b] + t - 1 of each sequence. Overflow past max_len is a ValueError.
+void kv_cache_write_cpu(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& start, int64_t n_heads);
+
+// Attention of the t new queries in qkv (B, t, 3 * dim) against the cache: new query i of sequence
+// b attends positions j <= min(start[b] + i, end[b] - 1) (end[b]: the cache length with the new
+// real tokens). Returns (B, t, dim); a query with no visible key gives 0.
+at::Tensor decode_attention_cpu(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& start, const at::Tensor& end, int64_t n_heads);
+
 // The instruction set the CPU kernel's element-wise routines were chosen for at run time.
 const char* cpu_capability();
 

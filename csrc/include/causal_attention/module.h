@@ -13,6 +13,17 @@
 
 namespace causal_attention {
 
+// A static KV cache for one layer: keys and values (B, H, max_len, head_dim), lengths (B,) int64.
+struct KVCache {
+  KVCache(int64_t batch_size, int64_t n_heads, int64_t head_dim, int64_t max_len,
+          const at::TensorOptions& options = at::kFloat);
+
+  int64_t max_len() const { return k.size(2); }
+  void reset() { lengths.zero_(); }  // forget every sequence; the buffers are reused
+
+  at::Tensor k, v, lengths;
+};
+
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
   // dim % n_heads != 0 is a ValueError naming both numbers.
@@ -20,6 +31,14 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
 
   // x (B, T, dim), key_padding_mask (B, T) bool or integer 0/1 (True = real) -> (B, T, dim).
   at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& key_padding_mask = std::nullopt);
+
+  // Generation (inference only, CPU): x (B, t, dim) holds the new tokens of each sequence; they
+  // attend the cache plus the new tokens up to themselves, their keys and values are written at
+  // each sequence's own position, and its length grows by its real new tokens (the mask, right
+  // padding, says which). Same contract as the Python forward(x, mask, cache=cache).
+  at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& key_padding_mask, KVCache& cache);
+
+  KVCache make_cache(int64_t batch_size, int64_t max_len) const;
 
   int64_t dim() const { return dim_; }
   int64_t n_heads() const { return n_heads_; }
@@ -29,6 +48,8 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   torch::nn::Linear proj{nullptr};  // dim -> dim
 
  private:
+  void check_x(const at::Tensor& x) const;
+
   int64_t dim_;
   int64_t n_heads_;
 };

@@ -1,0 +1,60 @@
+"""A static, preallocated KV cache for generation.
+
+One cache per attention layer: key and value buffers (B, H, max_len, head_dim) and the length of
+each sequence (B,) int64. Shapes never change while generating, so a compiled decode step is
+compiled once. The cache is not part of any state_dict.
+
+A right-padded prompt batch is prefilled with its key_padding_mask: each sequence's length becomes
+its real length, so the padding written by the prefill is overwritten by the next tokens and never
+attended to (ragged batches without left padding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class KVCache:
+    """Keys and values (B, H, max_len, head_dim) and per-sequence lengths (B,) int64."""
+
+    k: Tensor
+    v: Tensor
+    lengths: Tensor
+
+    @classmethod
+    def empty(
+        cls,
+        batch_size: int,
+        n_heads: int,
+        head_dim: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """A zeroed cache for batch_size sequences of up to max_len tokens."""
+        for name, value in (("batch_size", batch_size), ("n_heads", n_heads), ("head_dim", head_dim), ("max_len", max_len)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int; got {value!r}")
+        shape = (batch_size, n_heads, max_len, head_dim)
+        return cls(
+            k=torch.zeros(shape, dtype=dtype, device=device),
+            v=torch.zeros(shape, dtype=dtype, device=device),
+            lengths=torch.zeros(batch_size, dtype=torch.int64, device=device),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def reset(self) -> None:
+        """Forget every sequence (lengths to 0); the buffers are reused as they are."""
+        self.lengths.zero_()

@@ -1,0 +1,213 @@
+"""Generation: the static KV cache, the decode kernel, and the tiny GPT's generate()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from causal_attention import CausalSelfAttention, KVCache, backends
+from causal_attention.gpt import GPTConfig, TinyGPT
+from conftest import rel_err
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+CACHE_BACKENDS = ("cpp", "sdpa")
+
+
+def _ragged(B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence lengths in [1, T] (the first is T) and prompt lengths in [1, length]."""
+    lengths = torch.randint(1, T + 1, (B,))
+    lengths[0] = T
+    prompts = (torch.rand(B) * lengths).long().clamp(1, None)
+    return lengths, prompts
+
+
+@pytest.mark.parametrize("backend", CACHE_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_prefill_then_decode_equals_full_forward(backend, dtype):
+    B, T, H, hd = 4, 40, 3, 16
+    attn = CausalSelfAttention(H * hd, H, backend=backend, dtype=dtype)
+    x = torch.randn(B, T, H * hd, dtype=dtype)
+    lengths, prompts = _ragged(B, T)
+    full_mask = torch.arange(T)[None, :] < lengths[:, None]
+    with torch.no_grad():
+        full = attn(x, full_mask)  # (B, T, dim)
+        cache = attn.make_cache(B, 2 * T)  # finished sequences keep taking (ignored) tokens
+        P = int(prompts.max())
+        prompt_mask = torch.arange(P)[None, :] < prompts[:, None]
+        out = attn(x[:, :P], prompt_mask, cache=cache)  # right-padded prefill
+        assert torch.equal(cache.lengths, prompts)
+        real = prompt_mask
+        assert rel_err(out[real], full[:, :P][real]) <= TOL[dtype]
+        positions = prompts.clone()
+        for _ in range(T - int(prompts.min())):
+            step_x = x[torch.arange(B), positions.clamp(max=T - 1)][:, None]  # (B, 1, dim): each at its own position
+            y = attn(step_x, cache=cache)[:, 0]
+            live = positions < lengths
+            assert rel_err(y[live], full[torch.arange(B), positions.clamp(max=T - 1)][live]) <= TOL[dtype]
+            positions += 1
+            assert torch.equal(cache.lengths, positions)
+            if bool((positions >= T).all()):
+                break
+
+
+@pytest.mark.parametrize("backend", CACHE_BACKENDS)
+def test_ragged_batch_equals_each_sequence_alone(backend):
+    B, T, H, hd = 3, 30, 2, 8
+    attn = CausalSelfAttention(H * hd, H, backend=backend, dtype=torch.float64)
+    x = torch.randn(B, T, H * hd, dtype=torch.float64)
+    prompts = torch.tensor([30, 11, 1])
+    with torch.no_grad():
+        cache = attn.make_cache(B, T + 5)
+        batch_prefill = attn(x, torch.arange(T)[None, :] < prompts[:, None], cache=cache)
+        new = torch.randn(B, 5, 1, H * hd, dtype=torch.float64)
+        batch_steps = [attn(new[:, s], cache=cache) for s in range(5)]
+        for b in range(B):
+            alone = attn.make_cache(1, T + 5)
+            p = int(prompts[b])
+            solo_prefill = attn(x[b : b + 1, :p], cache=alone)
+            assert rel_err(batch_prefill[b, :p], solo_prefill[0]) <= 1e-12
+            for s in range(5):
+                assert rel_err(batch_steps[s][b], attn(new[b : b + 1, s], cache=alone)[0]) <= 1e-12
+
+
+@pytest.mark.parametrize("backend", CACHE_BACKENDS)
+def test_chunked_prefill_equals_single_prefill(backend):
+    B, T, H, hd = 3, 37, 2, 16
+    attn = CausalSelfAttention(H * hd, H, backend=backend)
+    x = torch.randn(B, T, H * hd)
+    first = torch.tensor([10, 4, 1])  # first chunk lengths (right-padded chunk of 10)
+    second = torch.tensor([27, 9, 0])  # second chunk lengths (right-padded chunk of 27)
+    with torch.no_grad():
+        one = attn.make_cache(B, 64)
+        packed = torch.stack([torch.cat([x[b, : first[b]], x[b, 10 : 10 + second[b]], x[b, : T - first[b] - second[b]]]) for b in range(B)])
+        total = first + second
+        y_one = attn(packed, torch.arange(T)[None, :] < total[:, None], cache=one)
+        two = attn.make_cache(B, 64)
+        y_a = attn(x[:, :10], torch.arange(10)[None, :] < first[:, None], cache=two)
+        y_b = attn(x[:, 10:], torch.arange(27)[None, :] < second[:, None], cache=two)
+    assert torch.equal(one.lengths, two.lengths) and torch.equal(two.lengths, total)
+    for b in range(B):
+        f, s = int(first[b]), int(second[b])
+        assert rel_err(y_a[b, :f], y_one[b, :f]) <= 1e-5
+        assert rel_err(y_b[b, :s], y_one[b, f : f + s]) <= 1e-5
+        n = f + s
+        assert rel_err(two.k[b, :, :n], one.k[b, :, :n]) <= 1e-6
+        assert rel_err(two.v[b, :, :n], one.v[b, :, :n]) <= 1e-6
+
+
+@pytest.mark.parametrize("backend", CACHE_BACKENDS)
+def test_cache_holds_exactly_what_was_written_and_reset_clears(backend):
+    B, T, H, hd = 2, 9, 2, 4
+    attn = CausalSelfAttention(H * hd, H, backend=backend)
+    x = torch.randn(B, T, H * hd)
+    mask = torch.arange(T)[None, :] < torch.tensor([[9], [5]])
+    with torch.no_grad():
+        cache = attn.make_cache(B, 16)
+        attn(x, mask, cache=cache)
+        qkv = attn.qkv(x)  # (B, T, 3 * dim)
+    k = qkv[..., H * hd : 2 * H * hd].view(B, T, H, hd).transpose(1, 2)  # (B, H, T, hd)
+    v = qkv[..., 2 * H * hd :].view(B, T, H, hd).transpose(1, 2)
+    assert torch.equal(cache.k[:, :, :T], k) and torch.equal(cache.v[:, :, :T], v)
+    assert torch.count_nonzero(cache.k[:, :, T:]) == 0
+    assert cache.lengths.tolist() == [9, 5]
+    cache.reset()
+    assert cache.lengths.tolist() == [0, 0]
+
+
+def test_cache_is_not_in_the_state_dict():
+    model = TinyGPT(GPTConfig(vocab_size=11, max_len=16, dim=32, n_layers=2, n_heads=2))
+    caches = model.make_caches(2)
+    with torch.no_grad():
+        model(torch.zeros(2, 3, dtype=torch.long), caches=caches)
+    assert all("cache" not in k for k in model.state_dict())
+    attn = CausalSelfAttention(16, 2)
+    assert list(attn.state_dict()) == ["qkv.weight", "qkv.bias", "proj.weight", "proj.bias"]
+
+
+@pytest.mark.parametrize("backend", CACHE_BACKENDS)
+def test_cache_errors(backend):
+    attn = CausalSelfAttention(16, 2, backend=backend)
+    cache = attn.make_cache(2, 5)
+    with torch.no_grad():
+        attn(torch.randn(2, 4, 16), cache=cache)
+        with pytest.raises(ValueError, match="KV cache overflow"):
+            attn(torch.randn(2, 2, 16), cache=cache)
+        with pytest.raises(ValueError, match="must be right padding"):
+            left_padded = torch.tensor([[False, True, True], [True, True, True]])
+            attn(torch.randn(2, 3, 16), left_padded, cache=attn.make_cache(2, 5))
+        with pytest.raises(ValueError, match=r"cache must hold \(B, n_heads, max_len, head_dim\)"):
+            attn(torch.randn(3, 1, 16), cache=cache)
+        with pytest.raises(TypeError, match="cache must be a KVCache"):
+            attn(torch.randn(2, 1, 16), cache={"k": 1})
+    with pytest.raises(ValueError, match="the KV cache is for inference"):
+        attn(torch.randn(2, 1, 16), cache=attn.make_cache(2, 5))
+
+
+@pytest.mark.parametrize("t_new", [1, 2, 7, 16, 70])
+@pytest.mark.parametrize("B, H", [(1, 1), (2, 3), (8, 12)])
+def test_decode_kernel_against_torch(t_new, B, H):
+    """The C++ decode op (context split when B * H is small) against the plain-torch cache path."""
+    hd, L = 24, 700
+    qkv = torch.randn(B, t_new, 3 * H * hd, dtype=torch.float64)
+    start = torch.randint(0, L - t_new, (B,))
+    start[0] = 0
+    end = start + torch.randint(0, t_new + 1, (B,))  # some new tokens are padding; end may be 0
+    k = torch.randn(B, H, L, hd, dtype=torch.float64)
+    v = torch.randn(B, H, L, hd, dtype=torch.float64)
+    ours = (k.clone(), v.clone())
+    torch.ops.causal_attention.kv_cache_write(qkv, ours[0], ours[1], start, H)
+    y = torch.ops.causal_attention.decode_attention(qkv, ours[0], ours[1], start, end, H)
+    ref_cache = KVCache(k.clone(), v.clone(), start.clone())
+    y_ref = backends.cached_attention_torch(qkv, ref_cache, start, end, H)
+    assert torch.equal(ours[0], ref_cache.k) and torch.equal(ours[1], ref_cache.v)
+    assert rel_err(y, y_ref) <= 1e-12
+    empty = end == 0
+    assert torch.count_nonzero(y[empty]) == 0
+
+
+def test_decode_step_compiles_once():
+    torch._dynamo.reset()
+    attn = CausalSelfAttention(32, 4)
+    cache = attn.make_cache(3, 40)
+    step = torch.compile(lambda x: attn(x, cache=cache), fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        attn(torch.randn(3, 5, 32), torch.arange(5)[None, :] < torch.tensor([[5], [2], [4]]), cache=cache)
+        eager_cache = KVCache(cache.k.clone(), cache.v.clone(), cache.lengths.clone())
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(6):
+                x = torch.randn(3, 1, 32)
+                y = step(x)
+                y_eager = attn(x, cache=eager_cache)
+                assert rel_err(y, y_eager) <= 1e-5
+    assert torch.equal(cache.lengths, eager_cache.lengths)
+    assert cache.lengths.tolist() == [11, 8, 10]
+
+
+def _tiny_gpt(seed: int = 0) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT(GPTConfig(vocab_size=17, max_len=48, dim=32, n_layers=2, n_heads=4)).eval()
+
+
+def test_generate_with_cache_equals_without():
+    model = _tiny_gpt()
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9], [3, 3, 3, 1], [16, 0, 5, 2, 2, 8, 1, 1, 1, 4, 2]]
+    with_cache = model.generate(prompts, 12)
+    without = model.generate(prompts, 12, use_cache=False)
+    assert with_cache == without
+    assert all(len(g) == 12 for g in with_cache)
+    # Each prompt alone gives what it gave in the ragged batch.
+    for p, g in zip(prompts, with_cache):
+        assert model.generate([p], 12) == [g]
+
+
+def test_generate_top_k_is_reproducible_and_stops_at_eos():
+    model = _tiny_gpt(1)
+    prompts = [[1, 2], [3, 4, 5, 6]]
+    a = model.generate(prompts, 10, top_k=5, generator=torch.Generator().manual_seed(3))
+    b = model.generate(prompts, 10, top_k=5, generator=torch.Generator().manual_seed(3))
+    assert a == b
+    eos = a[0][0]
+    stopped = model.generate(prompts, 10, top_k=5, eos_id=eos, generator=torch.Generator().manual_seed(3))
+    assert stopped[0] == [eos]
+    with pytest.raises(ValueError, match="exceeds max_len"):
+        model.generate(prompts, 100)
