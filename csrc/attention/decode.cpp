@@ -24,6 +24,7 @@ namespace {
 
 constexpr int64_t kDecodeChunk = 256;  // keys per tile
 constexpr int64_t kDecodeRows = 64;    // new queries per tile
+constexpr int64_t kDecodeFewRows = 16;  // up to this many new queries: row-wise streaming, no GEMM
 
 void check_cache(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& start, int64_t n_heads) {
@@ -106,9 +107,11 @@ void decode_impl(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Ten
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const at::Tensor scores = at::empty({kDecodeRows * kDecodeChunk}, qkv.options());
     const at::Tensor pv = at::empty({kDecodeRows * hd}, qkv.options());
-    const at::Tensor scratch = at::empty({kDecodeRows + kDecodeChunk}, qkv.options().dtype(acc_dtype));
+    const at::Tensor scratch =
+        at::empty({kDecodeRows + kDecodeChunk + kDecodeFewRows * hd}, qkv.options().dtype(acc_dtype));
     acc_t* alpha = scratch.data_ptr<acc_t>();
     acc_t* buf = alpha + kDecodeRows;
+    acc_t* q_acc = buf + kDecodeChunk;  // the few queries, widened to acc_t
     for (int64_t item = item_begin; item < item_end; ++item) {
       const int64_t bh = item / n_split, split = item % n_split;
       const int64_t b = bh / H, h = bh % H;
@@ -125,6 +128,23 @@ void decode_impl(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Ten
       const auto keys = k_cache.select(0, b).select(0, h);    // (max_len, hd)
       const auto values = v_cache.select(0, b).select(0, h);  // (max_len, hd)
       const auto queries = qkv.select(0, b).narrow(1, h * hd, hd);  // (t, hd)
+      const scalar_t* keys_ptr = keys.data_ptr<scalar_t>();
+      const scalar_t* values_ptr = values.data_ptr<scalar_t>();
+      if (t <= kDecodeFewRows) {
+        // A few queries: stream each cached key and value row once per query (memory bound).
+        const scalar_t* q_ptr = qkv.data_ptr<scalar_t>() + b * qkv.stride(0) + h * hd;
+        for (int64_t i = 0; i < t; ++i) {
+          for (int64_t d = 0; d < hd; ++d) {
+            q_acc[i * hd + d] = static_cast<acc_t>(q_ptr[i * qkv.stride(1) + d]);
+          }
+        }
+        for (int64_t k0 = ks; k0 < std::min(ke, start[b] + t); k0 += kDecodeChunk) {
+          const int64_t cols = std::min(std::min(ke, start[b] + t), k0 + kDecodeChunk) - k0;
+          ops.decode_chunk(q_acc, t, keys_ptr + k0 * hd, values_ptr + k0 * hd, hd, cols, hd, scale, start[b] - k0, m,
+                           l, o_acc, buf);
+        }
+        continue;
+      }
       for (int64_t r0 = 0; r0 < t; r0 += kDecodeRows) {
         const int64_t rows = std::min(t, r0 + kDecodeRows) - r0;
         const int64_t visible_end = std::min(ke, start[b] + r0 + rows);  // causal: the row block's last query

@@ -51,6 +51,12 @@ struct TileOps {
   void (*probabilities)(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
                         const bool* key_mask, const acc_t* lse);
 
+  // Decode, one chunk of n cached keys for a few query rows (q: rows x hd, acc_t, contiguous):
+  // row i sees keys j <= i + causal_offset; updates its running max m, sum l and output o (hd),
+  // reading each key and value row once per query. buf: >= n scratch.
+  void (*decode_chunk)(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_t* v, int64_t ld, int64_t n,
+                       int64_t hd, acc_t scale, int64_t causal_offset, acc_t* m, acc_t* l, acc_t* o, acc_t* buf);
+
   // Backward. In: dp = dO . v. Out: dp = scale * p * (dp - delta[i * delta_stride]).
   void (*score_grad)(scalar_t* dp, const scalar_t* p, int64_t ld, int64_t rows, int64_t cols, acc_t scale,
                      const acc_t* delta, int64_t delta_stride);

@@ -263,11 +263,107 @@ void score_grad(scalar_t* dp, const scalar_t* p, int64_t ld, int64_t rows, int64
   }
 }
 
+// sum_d a[d] * b[d], a in acc_t, b in scalar_t.
+template <typename scalar_t, typename acc_t>
+inline acc_t dot(const acc_t* a, const scalar_t* b, int64_t hd) {
+  int64_t d = 0;
+  acc_t sum = 0;
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    constexpr int64_t W = Vec<acc_t>::size();
+    Vec<acc_t> acc0(0), acc1(0);
+    for (; d + 2 * W <= hd; d += 2 * W) {
+      acc0 = at::vec::fmadd(Vec<acc_t>::loadu(a + d), Vec<acc_t>::loadu(b + d), acc0);
+      acc1 = at::vec::fmadd(Vec<acc_t>::loadu(a + d + W), Vec<acc_t>::loadu(b + d + W), acc1);
+    }
+    for (; d + W <= hd; d += W) {
+      acc0 = at::vec::fmadd(Vec<acc_t>::loadu(a + d), Vec<acc_t>::loadu(b + d), acc0);
+    }
+    acc_t lanes[W];
+    (acc0 + acc1).store(lanes);
+    for (int64_t w = 0; w < W; ++w) {
+      sum += lanes[w];
+    }
+  }
+  for (; d < hd; ++d) {
+    sum += a[d] * static_cast<acc_t>(b[d]);
+  }
+  return sum;
+}
+
+// o[d] = o[d] * alpha + sum_j p[j] * v[j * ld + d]; for float, 4 vectors of o stay in registers
+// while the value rows stream past once.
+template <typename scalar_t, typename acc_t>
+inline void weighted_rows(const acc_t* p, const scalar_t* v, int64_t ld, int64_t n, int64_t hd, acc_t alpha, acc_t* o) {
+  int64_t d0 = 0;
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    constexpr int64_t W = Vec<acc_t>::size();
+    const Vec<acc_t> valpha(alpha);
+    for (; d0 + 4 * W <= hd; d0 += 4 * W) {
+      Vec<acc_t> a0 = Vec<acc_t>::loadu(o + d0) * valpha;
+      Vec<acc_t> a1 = Vec<acc_t>::loadu(o + d0 + W) * valpha;
+      Vec<acc_t> a2 = Vec<acc_t>::loadu(o + d0 + 2 * W) * valpha;
+      Vec<acc_t> a3 = Vec<acc_t>::loadu(o + d0 + 3 * W) * valpha;
+      for (int64_t j = 0; j < n; ++j) {
+        const Vec<acc_t> pj(p[j]);
+        const scalar_t* row = v + j * ld + d0;
+        a0 = at::vec::fmadd(pj, Vec<acc_t>::loadu(row), a0);
+        a1 = at::vec::fmadd(pj, Vec<acc_t>::loadu(row + W), a1);
+        a2 = at::vec::fmadd(pj, Vec<acc_t>::loadu(row + 2 * W), a2);
+        a3 = at::vec::fmadd(pj, Vec<acc_t>::loadu(row + 3 * W), a3);
+      }
+      a0.store(o + d0);
+      a1.store(o + d0 + W);
+      a2.store(o + d0 + 2 * W);
+      a3.store(o + d0 + 3 * W);
+    }
+    for (; d0 + W <= hd; d0 += W) {
+      Vec<acc_t> acc = Vec<acc_t>::loadu(o + d0) * valpha;
+      for (int64_t j = 0; j < n; ++j) {
+        acc = at::vec::fmadd(Vec<acc_t>(p[j]), Vec<acc_t>::loadu(v + j * ld + d0), acc);
+      }
+      acc.store(o + d0);
+    }
+  }
+  for (int64_t d = d0; d < hd; ++d) {
+    acc_t acc = o[d] * alpha;
+    for (int64_t j = 0; j < n; ++j) {
+      acc += p[j] * static_cast<acc_t>(v[j * ld + d]);
+    }
+    o[d] = acc;
+  }
+}
+
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_t* v, int64_t ld, int64_t n,
+                  int64_t hd, acc_t scale, int64_t causal_offset, acc_t* m, acc_t* l, acc_t* o, acc_t* buf) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t visible = std::clamp<int64_t>(i + causal_offset + 1, 0, n);
+    if (visible == 0) {
+      continue;
+    }
+    for (int64_t j = 0; j < visible; ++j) {
+      buf[j] = dot(q + i * hd, k + j * ld, hd);
+    }
+    const acc_t m_new = std::max(m[i], scale * max_of(buf, visible));
+    const acc_t alpha = std::exp(m[i] - m_new);  // 0 when m[i] = -inf
+    l[i] = l[i] * alpha + exp_scaled_inplace(buf, visible, scale, m_new);
+    m[i] = m_new;
+    weighted_rows(buf, v, ld, visible, hd, alpha, o + i * hd);
+  }
+}
+
 template <typename scalar_t>
 TileOps<scalar_t> make_tile_ops() {
-  return TileOps<scalar_t>{&softmax_tile<scalar_t>, &rescale_add<scalar_t>, &add<scalar_t>,
-                           &finalize<scalar_t>,     &store<scalar_t>,       &probabilities<scalar_t>,
-                           &score_grad<scalar_t>};
+  TileOps<scalar_t> ops{};
+  ops.softmax_tile = &softmax_tile<scalar_t>;
+  ops.rescale_add = &rescale_add<scalar_t>;
+  ops.add = &add<scalar_t>;
+  ops.finalize = &finalize<scalar_t>;
+  ops.store = &store<scalar_t>;
+  ops.decode_chunk = &decode_chunk<scalar_t>;
+  ops.probabilities = &probabilities<scalar_t>;
+  ops.score_grad = &score_grad<scalar_t>;
+  return ops;
 }
 
 }  // namespace
