@@ -44,12 +44,21 @@ def _block_mask(B: int, T: int, kind: str) -> torch.Tensor | None:
     return mask
 
 
-@pytest.mark.parametrize("T", [1, 7, 63, 127, 128, 129, 255, 256, 257, 383, 385, 513])
+@pytest.mark.parametrize("T", [1, 7, 63, 64, 65, 127, 128, 129, 191, 193, 255, 256, 257, 383, 385, 513])
 @pytest.mark.parametrize("mask_kind", ["none", "right", "random", "holes", "left"])
 def test_block_boundaries_float64(T, mask_kind):
     B, H, hd = 2, 2, 16
     qkv = torch.randn(B, T, 3 * H * hd, dtype=torch.float64)
     _check_against_reference(qkv, _block_mask(B, T, mask_kind), H, 1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("mask_kind", ["none", "right", "holes"])
+def test_long_sequence(dtype, mask_kind):
+    """T = 1025: many key blocks, one past a power of two."""
+    B, T, H, hd = 1, 1025, 2, 64
+    qkv = torch.randn(B, T, 3 * H * hd, dtype=dtype)
+    _check_against_reference(qkv, _block_mask(B, T, mask_kind), H, 1e-12 if dtype == torch.float64 else 2e-5)
 
 
 @pytest.mark.parametrize("hd", [1, 4, 8, 20, 33, 48, 64, 80, 128])
