@@ -18,9 +18,24 @@ def test_demo_writes_its_files_is_deterministic_and_loads(tmp_path):
     assert metrics["steps"] == 25
     # Same seed, same result.
     assert a["accuracy"] == b["accuracy"] and a["final_loss"] == b["final_loss"]
-    # A saved model answers new problems without training, as well as it did when saved.
+    # A saved model answers new problems without training.
     loaded = demo.main(steps=0, seed=3, out=tmp_path / "unused", load=tmp_path / "a", n_eval=24)
-    assert loaded["accuracy"] == a["accuracy"]
+    assert 0.0 <= loaded["accuracy"] <= 1.0 and loaded["tokens_per_s_cache"] > 0
+    assert not (tmp_path / "unused").exists()  # --load trains nothing and writes nothing
+
+
+def test_saved_model_loads_bit_for_bit(tmp_path):
+    import torch
+
+    from causal_attention.gpt import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=demo.VOCAB, max_len=demo.MAX_LEN, dim=32, n_layers=2, n_heads=2))
+    demo.save_model(model, tmp_path)
+    loaded = demo.load_model(tmp_path)
+    assert loaded.config == model.config
+    for (name, p), (name2, q) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert name == name2 and torch.equal(p, q)
 
 
 def test_batches_are_right_padded_with_answer_targets():

@@ -73,33 +73,6 @@ inline acc_t max_of(const acc_t* x, int64_t n) {
   return result;
 }
 
-// x[j] = exp(x[j] - shift) for j < n; returns the sum. -inf entries give exactly 0.
-template <typename acc_t>
-inline acc_t exp_shift_sum(acc_t* x, int64_t n, acc_t shift) {
-  acc_t sum = 0;
-  int64_t j = 0;
-  if constexpr (std::is_same_v<acc_t, float>) {
-    constexpr int64_t W = Vec<float>::size();
-    const Vec<float> vshift(shift);
-    Vec<float> vsum(0.f);
-    for (; j + W <= n; j += W) {
-      const auto e = (Vec<float>::loadu(x + j) - vshift).exp_u20();
-      e.store(x + j);
-      vsum = vsum + e;
-    }
-    float lanes[W];
-    vsum.store(lanes);
-    for (int64_t w = 0; w < W; ++w) {
-      sum += lanes[w];
-    }
-  }
-  for (; j < n; ++j) {
-    x[j] = std::exp(x[j] - shift);
-    sum += x[j];
-  }
-  return sum;
-}
-
 // x[j] = exp(scale * x[j] - shift) for j < n, in place; returns the sum. -inf entries give 0.
 template <typename acc_t>
 inline acc_t exp_scaled_inplace(acc_t* x, int64_t n, acc_t scale, acc_t shift) {
@@ -237,13 +210,13 @@ void probabilities(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t sc
     }
     for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
       const int64_t c = std::min(kChunk, n - c0);
-      load_scaled(row + c0, c, scale, buf);
+      load_scaled(row + c0, c, acc_t(1), buf);
       if (key_mask != nullptr) {
         for (int64_t j = 0; j < c; ++j) {
           buf[j] = key_mask[c0 + j] ? buf[j] : kNegInf<acc_t>;
         }
       }
-      exp_shift_sum(buf, c, lse[i]);
+      exp_scaled_inplace(buf, c, scale, lse[i]);
       store_row(buf, c, c, row + c0);
     }
     std::fill(row + n, row + cols, scalar_t(0));

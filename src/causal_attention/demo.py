@@ -175,15 +175,17 @@ def _show(console: Console, problems: list[tuple[list[int], list[int]]], answers
 def main(*, steps: int, seed: int, out: Path, load: Path | None, n_eval: int = 500) -> dict[str, float]:
     console = Console()
     torch.manual_seed(seed)
-    eval_rng = random.Random(seed + 1_000_003)  # held out: a stream the training never draws from
-    problems = [make_problem(eval_rng) for _ in range(n_eval)]
     if load is not None:
+        new_rng = random.Random(seed + 2_000_003)  # neither the training nor the evaluation stream
+        problems = [make_problem(new_rng) for _ in range(n_eval)]
         model = load_model(load)
         acc, tps, answers = evaluate(model, problems, use_cache=True)
         console.print(f"loaded {load}: exact match {acc:.1%} on {n_eval} new problems ({tps:,.0f} tokens/s with the cache)")
         _show(console, problems, answers)
         return {"accuracy": acc, "tokens_per_s_cache": tps}
 
+    eval_rng = random.Random(seed + 1_000_003)  # held out: a stream the training never draws from
+    problems = [make_problem(eval_rng) for _ in range(n_eval)]
     model = TinyGPT(GPTConfig(vocab_size=VOCAB, max_len=MAX_LEN))
     console.print(f"TinyGPT: {sum(p.numel() for p in model.parameters()):,} parameters, {model.config}")
     model.train()
