@@ -8,6 +8,7 @@
 //
 // On CPU, `attention` runs the fused kernels with a C++ autograd function; on other devices it is
 // the ATen composition (kernels::attention_composite). Fake kernels for torch.compile: _ops.py.
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -51,7 +52,16 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const OptionalTensor mask = saved[3].defined() ? OptionalTensor(saved[3]) : std::nullopt;
-    const auto grad_qkv = call_backward(grads[0], saved[0], mask, saved[1], saved[2], ctx->saved_data["n_heads"].toInt());
+    const int64_t n_heads = ctx->saved_data["n_heads"].toInt();
+    if (at::GradMode::is_enabled()) {
+      // create_graph (double backward, gradient penalties): the fused backward has no derivative
+      // of its own, so differentiate the same attention written in ATen operations instead.
+      const auto out = kernels::attention_math(saved[0], mask, n_heads);
+      const auto grad_qkv = torch::autograd::grad({out}, {saved[0]}, {grads[0]}, /*retain_graph=*/true,
+                                                  /*create_graph=*/true);
+      return {grad_qkv[0], at::Tensor(), at::Tensor()};
+    }
+    const auto grad_qkv = call_backward(grads[0], saved[0], mask, saved[1], saved[2], n_heads);
     return {grad_qkv, at::Tensor(), at::Tensor()};
   }
 };

@@ -211,3 +211,9 @@ def test_generate_top_k_is_reproducible_and_stops_at_eos():
     assert stopped[0] == [eos]
     with pytest.raises(ValueError, match="exceeds max_len"):
         model.generate(prompts, 100)
+
+
+def test_gpt_refuses_attention_maps_with_caches():
+    model = _tiny_gpt()
+    with torch.no_grad(), pytest.raises(ValueError, match="return_attention is not available with caches"):
+        model(torch.tensor([[1, 2]]), caches=model.make_caches(1), return_attention=True)

@@ -72,3 +72,18 @@ def test_qkv_split_order_and_head_columns():
     y = attn(torch.randn(2, 5, 12, dtype=torch.float64))
     assert torch.count_nonzero(y[..., 4:8]) == 0
     assert torch.count_nonzero(y[..., :4]) > 0 and torch.count_nonzero(y[..., 8:]) > 0
+
+
+@pytest.mark.parametrize("backend", ["cpp", "sdpa", "reference"])
+def test_empty_inputs(backend):
+    """B = 0 or T = 0 gives an empty output on every backend, with and without a mask or cache."""
+    attn = CausalSelfAttention(8, 2, backend=backend)
+    for B, T in ((0, 5), (2, 0)):
+        x = torch.randn(B, T, 8)
+        assert attn(x).shape == (B, T, 8)
+        assert attn(x, torch.ones(B, T, dtype=torch.bool)).shape == (B, T, 8)
+    if backend != "reference":
+        with torch.no_grad():
+            cache = attn.make_cache(2, 4)
+            assert attn(torch.randn(2, 0, 8), cache=cache).shape == (2, 0, 8)
+            assert cache.lengths.tolist() == [0, 0]

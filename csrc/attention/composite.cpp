@@ -2,6 +2,9 @@
 // backward from ATen's autograd; the fused CPU kernel (flash.cpp) is the fast path on CPU.
 #include "causal_attention/attention.h"
 
+#include <cmath>
+#include <limits>
+
 namespace causal_attention::kernels {
 
 at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
@@ -37,6 +40,30 @@ at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Te
     out = out.masked_fill(has_key.logical_not().view({B, 1, T, 1}), 0);
   }
   return out.transpose(1, 2).reshape({B, T, dim});  // (B, T, H, hd) -> (B, T, dim)
+}
+
+}  // namespace causal_attention::kernels
+
+namespace causal_attention::kernels {
+
+at::Tensor attention_math(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask, int64_t n_heads) {
+  check_qkv(qkv, n_heads);
+  const int64_t B = qkv.size(0);
+  const int64_t T = qkv.size(1);
+  const int64_t dim = qkv.size(2) / 3;
+  const int64_t hd = dim / n_heads;
+  const auto parts = qkv.unflatten(2, {3, n_heads, hd});   // (B, T, 3, H, hd)
+  const auto q = parts.select(2, 0).transpose(1, 2);       // (B, H, T, hd)
+  const auto k = parts.select(2, 1).transpose(1, 2);       // (B, H, T, hd)
+  const auto v = parts.select(2, 2).transpose(1, 2);       // (B, H, T, hd)
+  auto allowed = at::ones({T, T}, qkv.options().dtype(at::kBool)).tril().view({1, 1, T, T});
+  if (key_padding_mask.has_value()) {
+    allowed = allowed.logical_and(key_padding_mask->view({B, 1, 1, T}));  // (B, 1, T, T)
+  }
+  const auto scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));  // (B, H, T, T)
+  auto weights = at::softmax(scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity()), -1);
+  weights = at::where(allowed.any(-1, /*keepdim=*/true), weights, at::zeros_like(weights));  // empty rows: 0
+  return at::matmul(weights, v).transpose(1, 2).reshape({B, T, dim});  // (B, T, dim)
 }
 
 }  // namespace causal_attention::kernels

@@ -82,6 +82,8 @@ def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
 
     q (B, H, Tq, hd), k and v (B, H, Tk, hd), allowed (B, Tq, Tk) -> (B, H, Tq, hd).
     """
+    if q.shape[2] == 0 or k.shape[2] == 0:  # no query, or no key at all: nothing to attend
+        return q.new_zeros(q.shape[:3] + (v.shape[3],))
     has_key = allowed.any(-1)  # (B, Tq)
     # A row with no allowed key would be all -inf (NaN): let it see key 0, then zero it.
     first = torch.zeros_like(allowed)
@@ -118,7 +120,7 @@ def cached_attention_torch(qkv: Tensor, cache: KVCache, start: Tensor, end: Tens
     B, t, three_dim = qkv.shape
     q, k_new, v_new = _split_heads(qkv, n_heads)  # each (B, H, t, hd)
     positions = start[:, None] + torch.arange(t, device=qkv.device)  # (B, t)
-    if not torch.compiler.is_compiling() and int(positions.max()) >= cache.max_len:
+    if not torch.compiler.is_compiling() and t > 0 and int(positions.max()) >= cache.max_len:
         raise ValueError(
             f"KV cache overflow: {t} new tokens after {int(start.max())} do not fit in max_len={cache.max_len}"
         )

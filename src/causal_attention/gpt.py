@@ -85,6 +85,8 @@ class TinyGPT(nn.Module):
         With caches, tokens are the new tokens of each sequence and their positions continue
         from each sequence's own cache length.
         """
+        if caches is not None and return_attention:
+            raise ValueError("return_attention is not available with caches (it materialises T x T weights)")
         B, T = tokens.shape
         offset = caches[0].lengths[:, None] if caches is not None else torch.zeros(B, 1, dtype=torch.int64, device=tokens.device)
         positions = offset + torch.arange(T, device=tokens.device)  # (B, T)

@@ -36,6 +36,11 @@ namespace kernels {
 at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
                                int64_t n_heads);
 
+// The specification in ATen operations (materialises T x T): differentiable any number of times;
+// the fused kernel's double backward uses it.
+at::Tensor attention_math(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
+                          int64_t n_heads);
+
 // The fused CPU kernel's tiles: block_q queries against block_k keys (measured on AVX-512, 2 threads).
 inline constexpr int64_t kBlockQ = 128;     // forward
 inline constexpr int64_t kBlockK = 256;     // forward
