@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "causal_attention/attention.h"
@@ -151,9 +152,17 @@ void decode_impl(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Ten
         for (int64_t k0 = ks; k0 < visible_end; k0 += kDecodeChunk) {
           const int64_t cols = std::min(visible_end, k0 + kDecodeChunk) - k0;
           at::Tensor s = scores.narrow(0, 0, rows * cols).view({rows, cols});
-          at::mm_out(s, queries.narrow(0, r0, rows), keys.narrow(0, k0, cols).t());
-          ops.softmax_tile(s.data_ptr<scalar_t>(), cols, rows, cols, scale, start[b] + r0 - k0, nullptr, m + r0,
-                           l + r0, alpha, buf);
+          if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+            // bfloat16/half: scores in float32, probabilities rounded for the P V product.
+            at::Tensor s32 = at::mm(queries.narrow(0, r0, rows).to(at::kFloat), keys.narrow(0, k0, cols).to(at::kFloat).t());
+            tile::tile_ops<float>().softmax_tile(s32.data_ptr<float>(), cols, rows, cols, scale, start[b] + r0 - k0,
+                                                 nullptr, m + r0, l + r0, alpha, buf);
+            s.copy_(s32);
+          } else {
+            at::mm_out(s, queries.narrow(0, r0, rows), keys.narrow(0, k0, cols).t());
+            ops.softmax_tile(s.data_ptr<scalar_t>(), cols, rows, cols, scale, start[b] + r0 - k0, nullptr, m + r0,
+                             l + r0, alpha, buf);
+          }
           at::Tensor pv_tile = pv.narrow(0, 0, rows * hd).view({rows, hd});
           at::mm_out(pv_tile, s, values.narrow(0, k0, cols));
           ops.rescale_add(o_acc + r0 * hd, hd, pv_tile.data_ptr<scalar_t>(), hd, rows, hd, alpha);

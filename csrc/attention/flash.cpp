@@ -49,6 +49,10 @@ MaskSummary summarize(const std::optional<at::Tensor>& mask, int64_t B, int64_t 
   return {status.to(at::kByte).contiguous(), key_end.contiguous()};
 }
 
+// bfloat16 / half: score and score-gradient tiles are computed in float32.
+template <typename scalar_t>
+constexpr bool kReduced = !std::is_same_v<scalar_t, at::opmath_type<scalar_t>>;
+
 // Query rows per slice of a diagonal tile. With float/double GEMMs the masked triangle is worth
 // skipping; bfloat16/half GEMMs (oneDNN) are fast enough that more, smaller GEMMs cost more.
 template <typename scalar_t>
@@ -89,6 +93,9 @@ void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, 
   const acc_t scale = acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd));
   const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
 
+  // bfloat16/half: q and k widened to float32 once, (B, T, 2 * dim), for the float32 score tiles.
+  const at::Tensor qk_wide = kReduced<scalar_t> ? qkv.narrow(2, 0, 2 * g.dim).to(at::kFloat) : at::Tensor();
+
   at::parallel_for(0, g.B * g.H * g.nq, 1, [&](int64_t begin, int64_t end) {
     // Worker threads do not inherit the caller's dispatch state: the tile products below are
     // plain kernels, never recorded by autograd.
@@ -96,6 +103,10 @@ void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, 
     // Per-chunk workspace, reused by every work item of the chunk.
     const at::Tensor scores = at::empty({kBlockQ * kBlockK}, qkv.options());
     const at::Tensor pv = at::empty({kBlockQ * g.hd}, qkv.options());
+    // bfloat16/half: scores are computed and normalised in float32 (q and k widened first), and
+    // only the probabilities are rounded to the input type for the P V product.
+    const at::Tensor s_wide = kReduced<scalar_t> ? at::empty({kBlockQ * kBlockK}, qkv.options().dtype(at::kFloat))
+                                                 : at::Tensor();
     const at::Tensor acc = at::empty({kBlockQ * g.hd + 3 * kBlockQ + kBlockK}, qkv.options().dtype(acc_dtype));
     acc_t* o_acc = acc.data_ptr<acc_t>();
     acc_t* m = o_acc + kBlockQ * g.hd;
@@ -113,6 +124,8 @@ void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, 
       const int64_t bq = q1 - q0;
       const auto seq = qkv.select(0, b);                              // (T, 3 * dim)
       const auto q = seq.narrow(0, q0, bq).narrow(1, h * g.hd, g.hd);  // (bq, hd)
+      const at::Tensor q32 = kReduced<scalar_t> ? qk_wide.select(0, b).narrow(0, q0, bq).narrow(1, h * g.hd, g.hd)
+                                                : at::Tensor();  // (bq, hd) float32
 
       std::fill(o_acc, o_acc + bq * g.hd, acc_t(0));
       std::fill(m, m + bq, -std::numeric_limits<acc_t>::infinity());
@@ -132,10 +145,19 @@ void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, 
           const auto k = seq.narrow(0, k0, cols).narrow(1, g.dim + h * g.hd, g.hd);      // (cols, hd)
           const auto v = seq.narrow(0, k0, cols).narrow(1, 2 * g.dim + h * g.hd, g.hd);  // (cols, hd)
           at::Tensor s = tile(scores, r1 - r0, cols);                                    // (rows, cols)
-          at::mm_out(s, q.narrow(0, r0, r1 - r0), k.t());
           const int64_t causal_offset = (k0 + cols - 1 > q0 + r0) ? q0 + r0 - k0 : tile::kNoCausal;
-          ops.softmax_tile(s.data_ptr<scalar_t>(), cols, r1 - r0, cols, scale, causal_offset, key_mask, m + r0,
-                           l + r0, alpha + r0, buf);
+          if constexpr (kReduced<scalar_t>) {
+            at::Tensor s32 = tile(s_wide, r1 - r0, cols);
+            const auto k32 = qk_wide.select(0, b).narrow(0, k0, cols).narrow(1, g.dim + h * g.hd, g.hd);
+            at::mm_out(s32, q32.narrow(0, r0, r1 - r0), k32.t());
+            tile::tile_ops<float>().softmax_tile(s32.data_ptr<float>(), cols, r1 - r0, cols, scale, causal_offset,
+                                                 key_mask, m + r0, l + r0, alpha + r0, buf);
+            s.copy_(s32);  // probabilities, rounded to the input type
+          } else {
+            at::mm_out(s, q.narrow(0, r0, r1 - r0), k.t());
+            ops.softmax_tile(s.data_ptr<scalar_t>(), cols, r1 - r0, cols, scale, causal_offset, key_mask, m + r0,
+                             l + r0, alpha + r0, buf);
+          }
           at::Tensor pv_tile = tile(pv, r1 - r0, g.hd);  // (rows, hd)
           at::mm_out(pv_tile, s, v);
           ops.rescale_add(o_acc + r0 * g.hd, g.hd, pv_tile.data_ptr<scalar_t>(), g.hd, r1 - r0, g.hd, alpha + r0);
@@ -199,6 +221,12 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
     const at::Tensor p_ws = at::empty({kBwdBlockQ * kBwdBlockK}, qkv.options());
     const at::Tensor dp_ws = at::empty({kBwdBlockQ * kBwdBlockK}, qkv.options());
     const at::Tensor tmp_ws = at::empty({std::max(kBwdBlockQ, kBwdBlockK) * g.hd}, qkv.options());
+    // bfloat16/half: P and dP are computed in float32 from widened q, k, v, dO (as in the forward).
+    const auto f32 = qkv.options().dtype(at::kFloat);
+    const auto wide = [&](int64_t n) { return kReduced<scalar_t> ? at::empty({n}, f32) : at::Tensor(); };
+    const at::Tensor q_wide = wide(kBwdBlockQ * g.hd), do_wide = wide(kBwdBlockQ * g.hd);
+    const at::Tensor k_wide = wide(kBwdBlockK * g.hd), v_wide = wide(kBwdBlockK * g.hd);
+    const at::Tensor p_wide = wide(kBwdBlockQ * kBwdBlockK), dp_wide = wide(kBwdBlockQ * kBwdBlockK);
     const at::Tensor acc = at::empty({(g.T + 2 * kBwdBlockK) * g.hd}, qkv.options().dtype(acc_dtype));
     acc_t* dq_acc = acc.data_ptr<acc_t>();        // (T, hd)
     acc_t* dk_acc = dq_acc + g.T * g.hd;          // (block_k, hd)
@@ -232,6 +260,8 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
         const auto k = seq.narrow(0, k0, bk).narrow(1, g.dim + h * g.hd, g.hd);      // (bk, hd)
         const auto v = seq.narrow(0, k0, bk).narrow(1, 2 * g.dim + h * g.hd, g.hd);  // (bk, hd)
         const bool* key_mask = (st == kMixed) ? mask_ptr + b * g.T + k0 : nullptr;
+        const at::Tensor k32 = kReduced<scalar_t> ? tile(k_wide, bk, g.hd).copy_(k) : at::Tensor();
+        const at::Tensor v32 = kReduced<scalar_t> ? tile(v_wide, bk, g.hd).copy_(v) : at::Tensor();
         std::fill(dk_acc, dk_acc + bk * g.hd, acc_t(0));
         std::fill(dv_acc, dv_acc + bk * g.hd, acc_t(0));
 
@@ -245,14 +275,31 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
             const auto kc = k.narrow(0, 0, cols);                                       // (cols, hd)
             at::Tensor p = tile(p_ws, rows, cols);                                      // (rows, cols)
             at::Tensor dp = tile(dp_ws, rows, cols);                                    // (rows, cols)
-            at::mm_out(p, q, kc.t());
             const int64_t causal_offset = (k0 + cols - 1 > q0 + r0) ? q0 + r0 - k0 : tile::kNoCausal;
-            ops.probabilities(p.data_ptr<scalar_t>(), cols, rows, cols, scale, causal_offset, key_mask,
-                              lse_ptr + bh * g.T + q0 + r0);
-            accumulate_product(dv_acc, g.hd, p.t(), dO, tmp_ws, ops);  // dV += P^T dO
-            at::mm_out(dp, dO, v.narrow(0, 0, cols).t());               // dP = dO V^T
-            ops.score_grad(dp.data_ptr<scalar_t>(), p.data_ptr<scalar_t>(), cols, rows, cols, scale,
-                           delta_ptr + (b * g.T + q0 + r0) * g.H + h, g.H);  // dS = scale * P (dP - delta)
+            const acc_t* lse_rows = lse_ptr + bh * g.T + q0 + r0;
+            const acc_t* delta_rows = delta_ptr + (b * g.T + q0 + r0) * g.H + h;
+            if constexpr (kReduced<scalar_t>) {
+              const auto& ops32 = tile::tile_ops<float>();
+              at::Tensor p32 = tile(p_wide, rows, cols);
+              at::Tensor dp32 = tile(dp_wide, rows, cols);
+              const at::Tensor q32 = tile(q_wide, rows, g.hd).copy_(q);
+              const at::Tensor do32 = tile(do_wide, rows, g.hd).copy_(dO);
+              at::mm_out(p32, q32, k32.narrow(0, 0, cols).t());
+              ops32.probabilities(p32.data_ptr<float>(), cols, rows, cols, scale, causal_offset, key_mask, lse_rows);
+              p.copy_(p32);
+              accumulate_product(dv_acc, g.hd, p.t(), dO, tmp_ws, ops);  // dV += P^T dO
+              at::mm_out(dp32, do32, v32.narrow(0, 0, cols).t());        // dP = dO V^T
+              ops32.score_grad(dp32.data_ptr<float>(), p32.data_ptr<float>(), cols, rows, cols, scale, delta_rows,
+                               g.H);  // dS = scale * P (dP - delta)
+              dp.copy_(dp32);
+            } else {
+              at::mm_out(p, q, kc.t());
+              ops.probabilities(p.data_ptr<scalar_t>(), cols, rows, cols, scale, causal_offset, key_mask, lse_rows);
+              accumulate_product(dv_acc, g.hd, p.t(), dO, tmp_ws, ops);  // dV += P^T dO
+              at::mm_out(dp, dO, v.narrow(0, 0, cols).t());               // dP = dO V^T
+              ops.score_grad(dp.data_ptr<scalar_t>(), p.data_ptr<scalar_t>(), cols, rows, cols, scale, delta_rows,
+                             g.H);  // dS = scale * P (dP - delta)
+            }
             accumulate_product(dq_acc + (q0 + r0) * g.hd, g.hd, dp, kc, tmp_ws, ops);  // dQ += dS K
             accumulate_product(dk_acc, g.hd, dp.t(), q, tmp_ws, ops);                  // dK += dS^T Q
           };
