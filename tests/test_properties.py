@@ -103,10 +103,11 @@ def test_low_precision_error_within_3x_of_plain_pytorch(backend, dtype, mask_kin
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("mask_kind", ["none", "right"])
-def test_low_precision_kernel_within_3x_of_sdpa_with_large_logits(dtype, mask_kind):
+@pytest.mark.parametrize("hd", [64, 33])  # odd: no bfloat16 pairs, the float32 GEMM path
+def test_low_precision_kernel_within_3x_of_sdpa_with_large_logits(dtype, mask_kind, hd):
     """Scores of std ~10 (where rounding score tiles to bf16 would cost 10x): the fused kernel's
     error against the float64 spec stays within 3x of torch's fused SDPA at the same dtype."""
-    B, T, H, hd = 2, 300, 4, 64
+    B, T, H = 2, 300, 4
     qkv64 = torch.randn(B, T, 3 * H * hd, dtype=torch.float64) * 3
     mask = make_mask(mask_kind, B, T)
     qkv = qkv64.to(dtype)

@@ -93,8 +93,12 @@ void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, 
   const acc_t scale = acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd));
   const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
 
-  // bfloat16/half: q and k widened to float32 once, (B, T, 2 * dim), for the float32 score tiles.
-  const at::Tensor qk_wide = kReduced<scalar_t> ? qkv.narrow(2, 0, 2 * g.dim).to(at::kFloat) : at::Tensor();
+  // bfloat16/half score tiles in float32: straight from bfloat16 pairs with AVX512-BF16 where the
+  // CPU has it, else from q and k widened to float32 once, (B, T, 2 * dim).
+  const bool dot_bf16 = ops.bf16_scores != nullptr && g.hd % 2 == 0;
+  const at::Tensor qk_wide =
+      kReduced<scalar_t> && !dot_bf16 ? qkv.narrow(2, 0, 2 * g.dim).to(at::kFloat) : at::Tensor();
+  const int64_t ld = qkv.stride(1);
 
   at::parallel_for(0, g.B * g.H * g.nq, 1, [&](int64_t begin, int64_t end) {
     // Worker threads do not inherit the caller's dispatch state: the tile products below are
@@ -107,6 +111,8 @@ void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, 
     // only the probabilities are rounded to the input type for the P V product.
     const at::Tensor s_wide = kReduced<scalar_t> ? at::empty({kBlockQ * kBlockK}, qkv.options().dtype(at::kFloat))
                                                  : at::Tensor();
+    const at::Tensor pack = dot_bf16 ? at::empty({(g.hd / 2) * (kBlockK + 32)}, qkv.options().dtype(at::kInt))
+                                     : at::Tensor();
     const at::Tensor acc = at::empty({kBlockQ * g.hd + 3 * kBlockQ + kBlockK}, qkv.options().dtype(acc_dtype));
     acc_t* o_acc = acc.data_ptr<acc_t>();
     acc_t* m = o_acc + kBlockQ * g.hd;
@@ -124,8 +130,9 @@ void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, 
       const int64_t bq = q1 - q0;
       const auto seq = qkv.select(0, b);                              // (T, 3 * dim)
       const auto q = seq.narrow(0, q0, bq).narrow(1, h * g.hd, g.hd);  // (bq, hd)
-      const at::Tensor q32 = kReduced<scalar_t> ? qk_wide.select(0, b).narrow(0, q0, bq).narrow(1, h * g.hd, g.hd)
-                                                : at::Tensor();  // (bq, hd) float32
+      const at::Tensor q32 = qk_wide.defined() ? qk_wide.select(0, b).narrow(0, q0, bq).narrow(1, h * g.hd, g.hd)
+                                               : at::Tensor();  // (bq, hd) float32
+      const scalar_t* seq_ptr = seq.data_ptr<scalar_t>();
 
       std::fill(o_acc, o_acc + bq * g.hd, acc_t(0));
       std::fill(m, m + bq, -std::numeric_limits<acc_t>::infinity());
@@ -148,8 +155,14 @@ void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, 
           const int64_t causal_offset = (k0 + cols - 1 > q0 + r0) ? q0 + r0 - k0 : tile::kNoCausal;
           if constexpr (kReduced<scalar_t>) {
             at::Tensor s32 = tile(s_wide, r1 - r0, cols);
-            const auto k32 = qk_wide.select(0, b).narrow(0, k0, cols).narrow(1, g.dim + h * g.hd, g.hd);
-            at::mm_out(s32, q32.narrow(0, r0, r1 - r0), k32.t());
+            if (dot_bf16) {
+              ops.bf16_scores(seq_ptr + (q0 + r0) * ld + h * g.hd, ld, seq_ptr + k0 * ld + g.dim + h * g.hd, ld,
+                              r1 - r0, cols, g.hd, s32.data_ptr<float>(), cols,
+                              reinterpret_cast<uint32_t*>(pack.data_ptr<int32_t>()));
+            } else {
+              const auto k32 = qk_wide.select(0, b).narrow(0, k0, cols).narrow(1, g.dim + h * g.hd, g.hd);
+              at::mm_out(s32, q32.narrow(0, r0, r1 - r0), k32.t());
+            }
             tile::tile_ops<float>().softmax_tile(s32.data_ptr<float>(), cols, r1 - r0, cols, scale, causal_offset,
                                                  key_mask, m + r0, l + r0, alpha + r0, buf);
             s.copy_(s32);  // probabilities, rounded to the input type
@@ -227,6 +240,10 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
     const at::Tensor q_wide = wide(kBwdBlockQ * g.hd), do_wide = wide(kBwdBlockQ * g.hd);
     const at::Tensor k_wide = wide(kBwdBlockK * g.hd), v_wide = wide(kBwdBlockK * g.hd);
     const at::Tensor p_wide = wide(kBwdBlockQ * kBwdBlockK), dp_wide = wide(kBwdBlockQ * kBwdBlockK);
+    const bool dot_bf16 = ops.bf16_scores != nullptr && g.hd % 2 == 0;  // as in the forward
+    const at::Tensor pack = dot_bf16 ? at::empty({(g.hd / 2) * (kBwdBlockK + 32)}, qkv.options().dtype(at::kInt))
+                                     : at::Tensor();
+    uint32_t* pack_ptr = dot_bf16 ? reinterpret_cast<uint32_t*>(pack.data_ptr<int32_t>()) : nullptr;
     const at::Tensor acc = at::empty({(g.T + 2 * kBwdBlockK) * g.hd}, qkv.options().dtype(acc_dtype));
     acc_t* dq_acc = acc.data_ptr<acc_t>();        // (T, hd)
     acc_t* dk_acc = dq_acc + g.T * g.hd;          // (block_k, hd)
@@ -260,8 +277,8 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
         const auto k = seq.narrow(0, k0, bk).narrow(1, g.dim + h * g.hd, g.hd);      // (bk, hd)
         const auto v = seq.narrow(0, k0, bk).narrow(1, 2 * g.dim + h * g.hd, g.hd);  // (bk, hd)
         const bool* key_mask = (st == kMixed) ? mask_ptr + b * g.T + k0 : nullptr;
-        const at::Tensor k32 = kReduced<scalar_t> ? tile(k_wide, bk, g.hd).copy_(k) : at::Tensor();
-        const at::Tensor v32 = kReduced<scalar_t> ? tile(v_wide, bk, g.hd).copy_(v) : at::Tensor();
+        const at::Tensor k32 = kReduced<scalar_t> && !dot_bf16 ? tile(k_wide, bk, g.hd).copy_(k) : at::Tensor();
+        const at::Tensor v32 = kReduced<scalar_t> && !dot_bf16 ? tile(v_wide, bk, g.hd).copy_(v) : at::Tensor();
         std::fill(dk_acc, dk_acc + bk * g.hd, acc_t(0));
         std::fill(dv_acc, dv_acc + bk * g.hd, acc_t(0));
 
@@ -282,13 +299,22 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
               const auto& ops32 = tile::tile_ops<float>();
               at::Tensor p32 = tile(p_wide, rows, cols);
               at::Tensor dp32 = tile(dp_wide, rows, cols);
-              const at::Tensor q32 = tile(q_wide, rows, g.hd).copy_(q);
-              const at::Tensor do32 = tile(do_wide, rows, g.hd).copy_(dO);
-              at::mm_out(p32, q32, k32.narrow(0, 0, cols).t());
+              if (dot_bf16) {
+                ops.bf16_scores(q.data_ptr<scalar_t>(), q.stride(0), kc.data_ptr<scalar_t>(), kc.stride(0), rows, cols,
+                                g.hd, p32.data_ptr<float>(), cols, pack_ptr);
+              } else {
+                at::mm_out(p32, tile(q_wide, rows, g.hd).copy_(q), k32.narrow(0, 0, cols).t());
+              }
               ops32.probabilities(p32.data_ptr<float>(), cols, rows, cols, scale, causal_offset, key_mask, lse_rows);
               p.copy_(p32);
               accumulate_product(dv_acc, g.hd, p.t(), dO, tmp_ws, ops);  // dV += P^T dO
-              at::mm_out(dp32, do32, v32.narrow(0, 0, cols).t());        // dP = dO V^T
+              if (dot_bf16) {  // dP = dO V^T
+                const auto vc = v.narrow(0, 0, cols);
+                ops.bf16_scores(dO.data_ptr<scalar_t>(), dO.stride(0), vc.data_ptr<scalar_t>(), vc.stride(0), rows, cols,
+                                g.hd, dp32.data_ptr<float>(), cols, pack_ptr);
+              } else {
+                at::mm_out(dp32, tile(do_wide, rows, g.hd).copy_(dO), v32.narrow(0, 0, cols).t());
+              }
               ops32.score_grad(dp32.data_ptr<float>(), p32.data_ptr<float>(), cols, rows, cols, scale, delta_rows,
                                g.H);  // dS = scale * P (dP - delta)
               dp.copy_(dp32);

@@ -57,6 +57,12 @@ struct TileOps {
   void (*decode_chunk)(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_t* v, int64_t ld, int64_t n,
                        int64_t hd, acc_t scale, int64_t causal_offset, acc_t* m, acc_t* l, acc_t* o, acc_t* buf);
 
+  // bfloat16 only, where the CPU has AVX512-BF16 (else nullptr): s (rows x cols, float32, ld_s) =
+  // a (rows x hd, ld_a) . b^T (b: cols x hd, ld_b), products of bfloat16 pairs summed in float32
+  // (vdpbf16ps). pack: scratch of at least (hd / 2) * (cols + 31) uint32. hd must be even.
+  void (*bf16_scores)(const scalar_t* a, int64_t ld_a, const scalar_t* b, int64_t ld_b, int64_t rows, int64_t cols,
+                      int64_t hd, float* s, int64_t ld_s, uint32_t* pack);
+
   // Backward. In: dp = dO . v. Out: dp = scale * p * (dp - delta[i * delta_stride]).
   void (*score_grad)(scalar_t* dp, const scalar_t* p, int64_t ld, int64_t rows, int64_t cols, acc_t scale,
                      const acc_t* delta, int64_t delta_stride);

@@ -4,6 +4,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <type_traits>
 
@@ -325,6 +326,68 @@ void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+#define CA_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+// R rows of a against 32 columns of the packed b: 2R float32 accumulators.
+template <int R>
+CA_BF16_TARGET inline void bf16_block(const c10::BFloat16* a, int64_t ld_a, const uint32_t* pack, int64_t pstride,
+                                      int64_t pairs, float* s, int64_t ld_s, int64_t cols_here) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = _mm512_setzero_ps();
+    acc[r][1] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512i b0 = _mm512_loadu_si512(pack + p * pstride);
+    const __m512i b1 = _mm512_loadu_si512(pack + p * pstride + 16);
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, a + r * ld_a + 2 * p, sizeof(pair));
+      const __m512i ar = _mm512_set1_epi32(static_cast<int>(pair));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)ar, (__m512bh)b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)ar, (__m512bh)b1);
+    }
+  }
+  const __mmask16 m0 = cols_here >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols_here) - 1);
+  const int64_t rest = cols_here - 16;
+  const __mmask16 m1 = rest >= 16 ? __mmask16(0xFFFF) : (rest <= 0 ? __mmask16(0) : __mmask16((1u << rest) - 1));
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(s + r * ld_s, m0, acc[r][0]);
+    _mm512_mask_storeu_ps(s + r * ld_s + 16, m1, acc[r][1]);
+  }
+}
+
+CA_BF16_TARGET void bf16_scores(const c10::BFloat16* a, int64_t ld_a, const c10::BFloat16* b, int64_t ld_b,
+                                int64_t rows, int64_t cols, int64_t hd, float* s, int64_t ld_s, uint32_t* pack) {
+  const int64_t pairs = hd / 2;
+  const int64_t pstride = (cols + 31) / 32 * 32;  // uint32 per pair row, whole 32-column blocks
+  // pack[p][j] = (b[j][2p], b[j][2p + 1]); zero past cols.
+  for (int64_t j = 0; j < pstride; ++j) {
+    if (j < cols) {
+      for (int64_t p = 0; p < pairs; ++p) {
+        std::memcpy(&pack[p * pstride + j], b + j * ld_b + 2 * p, sizeof(uint32_t));
+      }
+    } else {
+      for (int64_t p = 0; p < pairs; ++p) {
+        pack[p * pstride + j] = 0;
+      }
+    }
+  }
+  for (int64_t j0 = 0; j0 < cols; j0 += 32) {
+    const int64_t cols_here = std::min<int64_t>(32, cols - j0);
+    int64_t i0 = 0;
+    for (; i0 + 8 <= rows; i0 += 8) {
+      bf16_block<8>(a + i0 * ld_a, ld_a, pack + j0, pstride, pairs, s + i0 * ld_s + j0, ld_s, cols_here);
+    }
+    for (; i0 < rows; ++i0) {
+      bf16_block<1>(a + i0 * ld_a, ld_a, pack + j0, pstride, pairs, s + i0 * ld_s + j0, ld_s, cols_here);
+    }
+  }
+}
+#undef CA_BF16_TARGET
+#endif
+
 template <typename scalar_t>
 TileOps<scalar_t> make_tile_ops() {
   TileOps<scalar_t> ops{};
@@ -336,6 +399,14 @@ TileOps<scalar_t> make_tile_ops() {
   ops.decode_chunk = &decode_chunk<scalar_t>;
   ops.probabilities = &probabilities<scalar_t>;
   ops.score_grad = &score_grad<scalar_t>;
+  ops.bf16_scores = nullptr;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (__builtin_cpu_supports("avx512bf16")) {
+      ops.bf16_scores = &bf16_scores;
+    }
+  }
+#endif
   return ops;
 }
 
