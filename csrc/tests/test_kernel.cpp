@@ -61,6 +61,22 @@ INSTANTIATE_TEST_SUITE_P(Shapes, KernelTest,
                                            Case{1, 257, 2, 64, 1}, Case{2, 300, 1, 80, 2}, Case{3, 64, 4, 4, 0}),
                          case_name);
 
+TEST(Kernel, BFloat16MatchesFloat64OnTheSameInputs) {
+  torch::manual_seed(9);
+  const int64_t B = 2, T = 300, H = 2, hd = 64;
+  const auto qkv = (torch::randn({B, T, 3 * H * hd}) * 2).to(torch::kBFloat16);
+  const auto mask = torch::arange(T).unsqueeze(0) < torch::tensor({{int64_t{300}}, {int64_t{170}}});
+  const auto [out, lse] = kernels::attention_forward_cpu(qkv, mask, H);
+  const auto qkv64 = qkv.to(torch::kFloat64).requires_grad_(true);
+  const auto exact = kernels::attention_composite(qkv64, mask, H);
+  const double scale = exact.abs().max().item<double>();
+  EXPECT_LE(max_abs_diff(out.to(torch::kFloat64), exact) / scale, 2e-2);  // bfloat16 rounding of the output
+  const auto grad_out = torch::randn_like(exact);
+  const auto grad = kernels::attention_backward_cpu(grad_out.to(torch::kBFloat16), qkv, mask, out, lse, H);
+  exact.backward(grad_out);
+  EXPECT_LE(max_abs_diff(grad.to(torch::kFloat64), qkv64.grad()) / qkv64.grad().abs().max().item<double>(), 3e-2);
+}
+
 TEST(Kernel, DeterministicAcrossRuns) {
   torch::manual_seed(1);
   const auto qkv = torch::randn({2, 300, 3 * 4 * 32});
