@@ -108,7 +108,8 @@ def _timed(fns: dict[str, Callable[[Tensor], Tensor]], x: Tensor, repeats: int, 
         return run
 
     make = fwd_bwd if backward else fwd
-    return interleaved_medians({name: make(fn) for name, fn in fns.items()}, repeats=repeats)
+    # Two warm-up rounds: the first calls of a new shape pay for library set-up (oneDNN, MKL).
+    return interleaved_medians({name: make(fn) for name, fn in fns.items()}, repeats=repeats, warmup=2)
 
 
 def _kernel_impls(T: int, H: int, hd: int, mask: Tensor | None) -> dict[str, Callable[[Tensor], Tensor]]:
