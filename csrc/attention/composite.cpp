@@ -7,17 +7,22 @@
 
 namespace causal_attention::kernels {
 
+namespace {
+// qkv (B, T, 3 * dim) -> q, k, v, each (B, H, T, hd), by views.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> split_heads(const at::Tensor& qkv, int64_t n_heads) {
+  check_qkv(qkv, n_heads);
+  const int64_t hd = qkv.size(2) / 3 / n_heads;
+  const auto parts = qkv.unflatten(2, {3, n_heads, hd});  // (B, T, 3, H, hd)
+  return {parts.select(2, 0).transpose(1, 2), parts.select(2, 1).transpose(1, 2), parts.select(2, 2).transpose(1, 2)};
+}
+}  // namespace
+
 at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
                                int64_t n_heads) {
-  check_qkv(qkv, n_heads);
+  const auto [q, k, v] = split_heads(qkv, n_heads);  // each (B, H, T, hd)
   const int64_t B = qkv.size(0);
   const int64_t T = qkv.size(1);
   const int64_t dim = qkv.size(2) / 3;
-  const int64_t hd = dim / n_heads;
-  const auto parts = qkv.unflatten(2, {3, n_heads, hd});  // (B, T, 3, H, hd)
-  const auto q = parts.select(2, 0).transpose(1, 2);      // (B, H, T, hd)
-  const auto k = parts.select(2, 1).transpose(1, 2);      // (B, H, T, hd)
-  const auto v = parts.select(2, 2).transpose(1, 2);      // (B, H, T, hd)
 
   at::Tensor out;  // (B, H, T, hd)
   if (!key_padding_mask.has_value()) {
@@ -47,15 +52,11 @@ at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Te
 namespace causal_attention::kernels {
 
 at::Tensor attention_math(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask, int64_t n_heads) {
-  check_qkv(qkv, n_heads);
+  const auto [q, k, v] = split_heads(qkv, n_heads);  // each (B, H, T, hd)
   const int64_t B = qkv.size(0);
   const int64_t T = qkv.size(1);
   const int64_t dim = qkv.size(2) / 3;
   const int64_t hd = dim / n_heads;
-  const auto parts = qkv.unflatten(2, {3, n_heads, hd});   // (B, T, 3, H, hd)
-  const auto q = parts.select(2, 0).transpose(1, 2);       // (B, H, T, hd)
-  const auto k = parts.select(2, 1).transpose(1, 2);       // (B, H, T, hd)
-  const auto v = parts.select(2, 2).transpose(1, 2);       // (B, H, T, hd)
   auto allowed = at::ones({T, T}, qkv.options().dtype(at::kBool)).tril().view({1, 1, T, T});
   if (key_padding_mask.has_value()) {
     allowed = allowed.logical_and(key_padding_mask->view({B, 1, 1, T}));  // (B, 1, T, T)
