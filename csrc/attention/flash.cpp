@@ -29,14 +29,24 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Per sequence: the status of each key block, and the end of its real keys (1 + last real index).
 struct MaskSummary {
-  at::Tensor status;   // (B, n_key_blocks) uint8
-  at::Tensor key_end;  // (B,) int64
+  MaskSummary(at::Tensor status_in, at::Tensor key_end_in, const std::optional<at::Tensor>& mask_in)
+      : status_t(std::move(status_in)),
+        key_end_t(std::move(key_end_in)),
+        status(status_t.data_ptr<uint8_t>()),
+        key_end(key_end_t.data_ptr<int64_t>()),
+        mask(mask_in.has_value() ? mask_in->data_ptr<bool>() : nullptr) {}
+
+  at::Tensor status_t;    // (B, n_key_blocks) uint8, owns status
+  at::Tensor key_end_t;   // (B,) int64, owns key_end
+  const uint8_t* status;  // KeyBlockStatus of (b, key block)
+  const int64_t* key_end;
+  const bool* mask;       // (B, T) contiguous, or nullptr: every key real
 };
 
 MaskSummary summarize(const std::optional<at::Tensor>& mask, int64_t B, int64_t T, int64_t block_k) {
   const int64_t nk = ceil_div(T, block_k);
   if (!mask.has_value()) {
-    return {at::full({B, nk}, kAllReal, at::kByte), at::full({B}, T, at::kLong)};
+    return {at::full({B, nk}, kAllReal, at::kByte), at::full({B}, T, at::kLong), mask};
   }
   const auto real = mask->to(at::kInt);                                        // (B, T)
   const auto padded = at::constant_pad_nd(real, {0, nk * block_k - T}, 0);     // (B, nk * bk)
@@ -46,7 +56,7 @@ MaskSummary summarize(const std::optional<at::Tensor>& mask, int64_t B, int64_t 
   auto status = at::where(count.eq(0), kNoneReal, at::where(count.eq(block_len), kAllReal, kMixed));
   const auto positions = at::arange(1, T + 1, at::kLong).unsqueeze(0);           // (1, T)
   const auto key_end = (positions * mask->to(at::kLong)).amax(1);                // (B,)
-  return {status.to(at::kByte).contiguous(), key_end.contiguous()};
+  return {status.to(at::kByte).contiguous(), key_end.contiguous(), mask};
 }
 
 // bfloat16 / half: score and score-gradient tiles are computed in float32.
@@ -84,10 +94,7 @@ void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, 
                   const at::Tensor& out, const at::Tensor& lse) {
   using acc_t = at::opmath_type<scalar_t>;
   const auto& ops = tile::tile_ops<scalar_t>();
-  const auto summary = summarize(mask, g.B, g.T, kBlockK);
-  const uint8_t* status = summary.status.data_ptr<uint8_t>();
-  const int64_t* key_end = summary.key_end.data_ptr<int64_t>();
-  const bool* mask_ptr = mask.has_value() ? mask->data_ptr<bool>() : nullptr;
+  const MaskSummary summary = summarize(mask, g.B, g.T, kBlockK);
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   acc_t* lse_ptr = lse.data_ptr<acc_t>();
   const acc_t scale = acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd));
@@ -138,15 +145,15 @@ void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, 
       std::fill(m, m + bq, -std::numeric_limits<acc_t>::infinity());
       std::fill(l, l + bq, acc_t(0));
 
-      const int64_t k_stop = std::min(q1, key_end[b]);  // causal, and no key past the last real one
+      const int64_t k_stop = std::min(q1, summary.key_end[b]);  // causal, and no key past the last real one
       for (int64_t kb = 0; kb * kBlockK < k_stop; ++kb) {
-        const uint8_t st = status[b * g.nk + kb];
+        const uint8_t st = summary.status[b * g.nk + kb];
         if (st == kNoneReal) {
           continue;
         }
         const int64_t k0 = kb * kBlockK;
         const int64_t bk = std::min(k_stop, k0 + kBlockK) - k0;
-        const bool* key_mask = (st == kMixed) ? mask_ptr + b * g.T + k0 : nullptr;
+        const bool* key_mask = (st == kMixed) ? summary.mask + b * g.T + k0 : nullptr;
         // Rows r0..r1 of the query block against the first `cols` keys of the key block.
         const auto attend = [&](int64_t r0, int64_t r1, int64_t cols) {
           const auto k = seq.narrow(0, k0, cols).narrow(1, g.dim + h * g.hd, g.hd);      // (cols, hd)
@@ -216,10 +223,7 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
                    const at::Tensor& out, const at::Tensor& lse, const Geometry& g, const at::Tensor& grad_qkv) {
   using acc_t = at::opmath_type<scalar_t>;
   const auto& ops = tile::tile_ops<scalar_t>();
-  const auto summary = summarize(mask, g.B, g.T, kBwdBlockK);
-  const uint8_t* status = summary.status.data_ptr<uint8_t>();
-  const int64_t* key_end = summary.key_end.data_ptr<int64_t>();
-  const bool* mask_ptr = mask.has_value() ? mask->data_ptr<bool>() : nullptr;
+  const MaskSummary summary = summarize(mask, g.B, g.T, kBwdBlockK);
   const acc_t* lse_ptr = lse.data_ptr<acc_t>();
   const acc_t scale = acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd));
   const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
@@ -237,10 +241,12 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
     // bfloat16/half: P and dP are computed in float32 from widened q, k, v, dO (as in the forward).
     const auto f32 = qkv.options().dtype(at::kFloat);
     const auto wide = [&](int64_t n) { return kReduced<scalar_t> ? at::empty({n}, f32) : at::Tensor(); };
-    const at::Tensor q_wide = wide(kBwdBlockQ * g.hd), do_wide = wide(kBwdBlockQ * g.hd);
-    const at::Tensor k_wide = wide(kBwdBlockK * g.hd), v_wide = wide(kBwdBlockK * g.hd);
-    const at::Tensor p_wide = wide(kBwdBlockQ * kBwdBlockK), dp_wide = wide(kBwdBlockQ * kBwdBlockK);
     const bool dot_bf16 = ops.bf16_scores != nullptr && g.hd % 2 == 0;  // as in the forward
+    // Widened inputs only where the float32 GEMMs need them (no AVX512-BF16 path).
+    const auto widened = [&](int64_t n) { return dot_bf16 ? at::Tensor() : wide(n); };
+    const at::Tensor q_wide = widened(kBwdBlockQ * g.hd), do_wide = widened(kBwdBlockQ * g.hd);
+    const at::Tensor k_wide = widened(kBwdBlockK * g.hd), v_wide = widened(kBwdBlockK * g.hd);
+    const at::Tensor p_wide = wide(kBwdBlockQ * kBwdBlockK), dp_wide = wide(kBwdBlockQ * kBwdBlockK);
     const at::Tensor pack = dot_bf16 ? at::empty({(g.hd / 2) * (kBwdBlockK + 32)}, qkv.options().dtype(at::kInt))
                                      : at::Tensor();
     uint32_t* pack_ptr = dot_bf16 ? reinterpret_cast<uint32_t*>(pack.data_ptr<int32_t>()) : nullptr;
@@ -265,18 +271,18 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
           std::fill(row + 2 * g.dim, row + 2 * g.dim + g.hd, scalar_t(0));
         }
       };
-      zero_key_rows(key_end[b], g.T);
-      for (int64_t kb = 0; kb * kBwdBlockK < key_end[b]; ++kb) {
-        const uint8_t st = status[b * g.nk + kb];
+      zero_key_rows(summary.key_end[b], g.T);
+      for (int64_t kb = 0; kb * kBwdBlockK < summary.key_end[b]; ++kb) {
+        const uint8_t st = summary.status[b * g.nk + kb];
         const int64_t k0 = kb * kBwdBlockK;
-        const int64_t bk = std::min(key_end[b], k0 + kBwdBlockK) - k0;
+        const int64_t bk = std::min(summary.key_end[b], k0 + kBwdBlockK) - k0;
         if (st == kNoneReal) {
           zero_key_rows(k0, k0 + bk);
           continue;
         }
         const auto k = seq.narrow(0, k0, bk).narrow(1, g.dim + h * g.hd, g.hd);      // (bk, hd)
         const auto v = seq.narrow(0, k0, bk).narrow(1, 2 * g.dim + h * g.hd, g.hd);  // (bk, hd)
-        const bool* key_mask = (st == kMixed) ? mask_ptr + b * g.T + k0 : nullptr;
+        const bool* key_mask = (st == kMixed) ? summary.mask + b * g.T + k0 : nullptr;
         const at::Tensor k32 = kReduced<scalar_t> && !dot_bf16 ? tile(k_wide, bk, g.hd).copy_(k) : at::Tensor();
         const at::Tensor v32 = kReduced<scalar_t> && !dot_bf16 ? tile(v_wide, bk, g.hd).copy_(v) : at::Tensor();
         std::fill(dk_acc, dk_acc + bk * g.hd, acc_t(0));
