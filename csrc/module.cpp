@@ -47,23 +47,20 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, const std::opti
                                             KVCache& cache) {
   check_x(x);
   TORCH_CHECK_VALUE(x.device().is_cpu(), "the C++ KV cache path runs on CPU tensors; got x on ", x.device());
-  TORCH_CHECK_VALUE(!at::GradMode::is_enabled() || !(x.requires_grad() || qkv->weight.requires_grad()),
-                    "the KV cache is for inference: call the layer under torch::NoGradGuard");
-  const auto mask = normalize_key_padding_mask(key_padding_mask, x);  // (B, t) bool or none
-  const int64_t t = x.size(1);
-  const auto start = cache.lengths;  // (B,)
-  at::Tensor end;
-  if (mask.has_value()) {
-    const auto n_real = mask->sum(1);  // (B,)
-    const auto right_padded = at::arange(t, n_real.options()).unsqueeze(0) < n_real.unsqueeze(1);
-    TORCH_CHECK_VALUE(at::equal(*mask, right_padded),
-                      "with a cache, key_padding_mask must be right padding (real tokens first)");
-    end = start + n_real;
-  } else {
-    end = start + t;
+  if (at::GradMode::is_enabled()) {
+    // The cache path has no backward: refuse it while anything that could want a gradient does.
+    TORCH_CHECK_VALUE(!x.requires_grad(),
+                      "the KV cache is for inference: x requires grad; call the layer under torch::NoGradGuard");
+    for (const auto& param : named_parameters()) {
+      TORCH_CHECK_VALUE(!param.value().requires_grad(), "the KV cache is for inference: parameter ", param.key(),
+                        " requires grad; call the layer under torch::NoGradGuard");
+    }
   }
+  const auto mask = normalize_key_padding_mask(key_padding_mask, x);  // (B, t) bool or none
+  const auto start = cache.lengths;                                    // (B,)
+  const auto end = cache_end(start, mask, x.size(1), cache.max_len());  // (B,), checked
   const auto qkv_out = qkv->forward(x);  // (B, t, 3 * dim)
-  kernels::kv_cache_write_cpu(qkv_out, cache.k, cache.v, start, n_heads_);
+  kernels::kv_cache_write_cpu(qkv_out, cache.k, cache.v, start, end, n_heads_);
   const auto heads = kernels::decode_attention_cpu(qkv_out, cache.k, cache.v, start, end, n_heads_);  // (B, t, dim)
   cache.lengths.copy_(end);
   return proj->forward(heads);

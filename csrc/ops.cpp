@@ -3,12 +3,18 @@
 //   attention(qkv, key_padding_mask, n_heads) -> out                  differentiable, any device
 //   attention_forward(qkv, key_padding_mask, n_heads) -> (out, lse)   the fused CPU kernel
 //   attention_backward(grad_out, qkv, key_padding_mask, out, lse, n_heads) -> grad_qkv
-//   kv_cache_write(qkv, k_cache!, v_cache!, start, n_heads)         generation: static KV cache
+//   kv_cache_write(qkv, k_cache!, v_cache!, start, end, n_heads)    generation: static KV cache
 //   decode_attention(qkv, k_cache, v_cache, start, end, n_heads) -> out
+//   mask_to_bool(key_padding_mask) -> mask                              checks an integer mask's values
+//   cache_end(lengths, key_padding_mask, new_tokens, max_len) -> end    checks a cache step
 //
-// On CPU, `attention` runs the fused kernels with a C++ autograd function; on other devices it is
-// the ATen composition (kernels::attention_composite). Fake kernels for torch.compile: _ops.py.
+// On CPU, `attention` runs the fused kernels with a C++ autograd function (the C++ module's path);
+// on other devices it is the ATen composition (kernels::attention_composite). The Python front
+// calls attention_forward / attention_backward with autograd registered through torch.library
+// (_ops.py), so that torch.func transforms work. Meta kernels (shapes only, symbolic sizes) are
+// registered here, so torch.compile and torch.export trace every op with just the library loaded.
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -80,6 +86,45 @@ at::Tensor attention_no_autograd(const at::Tensor& qkv, const OptionalTensor& ma
   return kernels::attention_composite(qkv, mask, n_heads);
 }
 
+// Meta kernels: output shapes and dtypes only, with symbolic sizes (torch.compile, torch.export).
+at::Tensor heads_like(const at::Tensor& qkv) {  // (B, T, 3 * dim) -> empty (B, T, dim)
+  return at::empty_symint({qkv.sym_size(0), qkv.sym_size(1), qkv.sym_size(2) / 3}, qkv.options());
+}
+
+at::Tensor attention_meta(const at::Tensor& qkv, const OptionalTensor& /*mask*/, int64_t n_heads) {
+  TORCH_CHECK_VALUE(n_heads > 0 && qkv.dim() == 3, "qkv must be 3-D (B, T, 3 * dim) and n_heads positive");
+  return heads_like(qkv);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward_meta(const at::Tensor& qkv, const OptionalTensor& mask,
+                                                          int64_t n_heads) {
+  const auto lse_dtype = qkv.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return {attention_meta(qkv, mask, n_heads),
+          at::empty_symint({qkv.sym_size(0), c10::SymInt(n_heads), qkv.sym_size(1)}, qkv.options().dtype(lse_dtype))};
+}
+
+at::Tensor attention_backward_meta(const at::Tensor& /*grad_out*/, const at::Tensor& qkv, const OptionalTensor& /*mask*/,
+                                   const at::Tensor& /*out*/, const at::Tensor& /*lse*/, int64_t /*n_heads*/) {
+  return at::empty_symint(qkv.sym_sizes(), qkv.options());
+}
+
+void kv_cache_write_meta(const at::Tensor& /*qkv*/, const at::Tensor& /*k_cache*/, const at::Tensor& /*v_cache*/,
+                         const at::Tensor& /*start*/, const at::Tensor& /*end*/, int64_t /*n_heads*/) {}
+
+at::Tensor decode_attention_meta(const at::Tensor& qkv, const at::Tensor& /*k_cache*/, const at::Tensor& /*v_cache*/,
+                                 const at::Tensor& /*start*/, const at::Tensor& /*end*/, int64_t /*n_heads*/) {
+  return heads_like(qkv);
+}
+
+at::Tensor mask_to_bool_meta(const at::Tensor& key_padding_mask) {
+  return at::empty_symint(key_padding_mask.sym_sizes(), key_padding_mask.options().dtype(at::kBool));
+}
+
+at::Tensor cache_end_meta(const at::Tensor& lengths, const OptionalTensor& /*mask*/, int64_t /*new_tokens*/,
+                          int64_t /*max_len*/) {
+  return at::empty_symint(lengths.sym_sizes(), lengths.options());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(causal_attention, m) {
@@ -89,16 +134,38 @@ TORCH_LIBRARY(causal_attention, m) {
       "attention_backward(Tensor grad_out, Tensor qkv, Tensor? key_padding_mask, Tensor out, Tensor lse, "
       "int n_heads) -> Tensor grad_qkv");
   m.def("cpu_capability() -> str");
-  m.def("kv_cache_write(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, int n_heads) -> ()");
+  m.def(
+      "kv_cache_write(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, Tensor end, int n_heads) -> "
+      "()");
   m.def(
       "decode_attention(Tensor qkv, Tensor k_cache, Tensor v_cache, Tensor start, Tensor end, int n_heads) -> "
       "Tensor");
+  m.def("mask_to_bool(Tensor key_padding_mask) -> Tensor");
+  m.def("cache_end(Tensor lengths, Tensor? key_padding_mask, int new_tokens, int max_len) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(causal_attention, Autograd, m) { m.impl("attention", &attention_autograd); }
+TORCH_LIBRARY_IMPL(causal_attention, Autograd, m) {
+  m.impl("attention", &attention_autograd);
+  // The raw kernels have no derivative of their own (the Python front wraps them in autograd
+  // Functions, the C++ one in AttentionFunction): differentiating them directly is an error.
+  m.impl("attention_forward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("attention_backward", torch::autograd::autogradNotImplementedFallback());
+}
 
 TORCH_LIBRARY_IMPL(causal_attention, CompositeExplicitAutograd, m) {
   m.impl("attention", &attention_no_autograd);
+  m.impl("mask_to_bool", &mask_to_bool);
+  m.impl("cache_end", &cache_end);
+}
+
+TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {
+  m.impl("attention", &attention_meta);
+  m.impl("attention_forward", &attention_forward_meta);
+  m.impl("attention_backward", &attention_backward_meta);
+  m.impl("kv_cache_write", &kv_cache_write_meta);
+  m.impl("decode_attention", &decode_attention_meta);
+  m.impl("mask_to_bool", &mask_to_bool_meta);
+  m.impl("cache_end", &cache_end_meta);
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {

@@ -107,20 +107,33 @@ def test_cache_holds_exactly_what_was_written_and_reset_clears(backend):
         qkv = attn.qkv(x)  # (B, T, 3 * dim)
     k = qkv[..., H * hd : 2 * H * hd].view(B, T, H, hd).transpose(1, 2)  # (B, H, T, hd)
     v = qkv[..., 2 * H * hd :].view(B, T, H, hd).transpose(1, 2)
-    assert torch.equal(cache.k[:, :, :T], k) and torch.equal(cache.v[:, :, :T], v)
-    assert torch.count_nonzero(cache.k[:, :, T:]) == 0
+    written = mask[:, None, :, None]  # (B, 1, T, 1): the real tokens, and only they, are written
+    assert torch.equal(cache.k[:, :, :T], torch.where(written, k, 0)) and torch.equal(cache.v[:, :, :T], torch.where(written, v, 0))
+    assert torch.count_nonzero(cache.k[:, :, T:]) == 0 and torch.count_nonzero(cache.v[:, :, T:]) == 0
     assert cache.lengths.tolist() == [9, 5]
     cache.reset()
     assert cache.lengths.tolist() == [0, 0]
 
 
-def test_cache_is_not_in_the_state_dict():
-    model = TinyGPT(GPTConfig(vocab_size=11, max_len=16, dim=32, n_layers=2, n_heads=2))
+def test_generating_leaves_the_state_dict_as_a_fresh_model_has_it():
+    """Caches live outside the module: after generating, the state_dict has a fresh model's keys and
+    values, no tensor of it is (or shares memory with) a cache, and it loads strictly into a new model."""
+    config = GPTConfig(vocab_size=11, max_len=16, dim=32, n_layers=2, n_heads=2)
+    model = TinyGPT(config)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     caches = model.make_caches(2)
     with torch.no_grad():
         model(torch.zeros(2, 3, dtype=torch.long), caches=caches)
-    assert all("cache" not in k for k in model.state_dict())
+    state = model.state_dict()
+    assert list(state) == list(TinyGPT(config).state_dict())
+    assert all(torch.equal(state[k], before[k]) for k in before)
+    cache_tensors = [t for c in caches for t in (c.k, c.v, c.lengths)]
+    assert not any(s.untyped_storage().data_ptr() == c.untyped_storage().data_ptr() for s in state.values() for c in cache_tensors)
+    TinyGPT(config).load_state_dict(state, strict=True)
     attn = CausalSelfAttention(16, 2)
+    attn(torch.randn(1, 2, 16).requires_grad_(False))
+    with torch.no_grad():
+        attn(torch.randn(1, 2, 16), cache=attn.make_cache(1, 4))
     assert list(attn.state_dict()) == ["qkv.weight", "qkv.bias", "proj.weight", "proj.bias"]
 
 
@@ -155,7 +168,7 @@ def test_decode_kernel_against_torch(t_new, B, H):
     k = torch.randn(B, H, L, hd, dtype=torch.float64)
     v = torch.randn(B, H, L, hd, dtype=torch.float64)
     ours = (k.clone(), v.clone())
-    torch.ops.causal_attention.kv_cache_write(qkv, ours[0], ours[1], start, H)
+    torch.ops.causal_attention.kv_cache_write(qkv, ours[0], ours[1], start, end, H)
     y = torch.ops.causal_attention.decode_attention(qkv, ours[0], ours[1], start, end, H)
     ref_cache = KVCache(k.clone(), v.clone(), start.clone())
     y_ref = backends.cached_attention_torch(qkv, ref_cache, start, end, H)
@@ -177,7 +190,7 @@ def test_decode_kernel_low_precision(dtype, t_new):
     v = torch.randn(B, H, L, hd).to(dtype)
     exact = backends.cached_attention_torch(qkv.double(), KVCache(k.double(), v.double(), start.clone()), start, end, H)
     kc, vc = k.clone(), v.clone()
-    torch.ops.causal_attention.kv_cache_write(qkv, kc, vc, start, H)
+    torch.ops.causal_attention.kv_cache_write(qkv, kc, vc, start, end, H)
     ours = torch.ops.causal_attention.decode_attention(qkv, kc, vc, start, end, H)
     plain = backends.cached_attention_torch(qkv, KVCache(k.clone(), v.clone(), start.clone()), start, end, H)
     assert ours.dtype == dtype

@@ -1,4 +1,5 @@
-// Input validation shared by the op, the C++ module and (by wording) the Python front.
+// Input validation shared by the ops, the C++ module and (by wording) the Python front. Every check
+// on values runs inside an operator, so that it holds in eager, compiled and exported code alike.
 #include "causal_attention/attention.h"
 
 namespace causal_attention {
@@ -13,27 +14,82 @@ void check_qkv(const at::Tensor& qkv, int64_t n_heads) {
                     ") must be 3 * dim with dim divisible by n_heads (got ", n_heads, ")");
 }
 
+namespace {
+void check_mask_dtype(const at::Tensor& mask) {
+  const auto dtype = mask.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kBool || at::isIntegralType(dtype, /*includeBool=*/false),
+                   "key_padding_mask must be bool (True = real token) or an integer 0/1 tensor; got dtype ",
+                   dtype, " (a float mask is ambiguous: additive bias or probability?)");
+}
+}  // namespace
+
+at::Tensor mask_to_bool(const at::Tensor& key_padding_mask) {
+  check_mask_dtype(key_padding_mask);
+  if (key_padding_mask.scalar_type() == at::kBool) {
+    return key_padding_mask.clone();  // an op's output never aliases its input
+  }
+  TORCH_CHECK_VALUE(key_padding_mask.numel() == 0 ||
+                        !at::logical_and(key_padding_mask != 0, key_padding_mask != 1).any().item<bool>(),
+                    "key_padding_mask of integer dtype must hold only 0 (padding) and 1 (real token)");
+  return key_padding_mask != 0;
+}
+
 std::optional<at::Tensor> normalize_key_padding_mask(const std::optional<at::Tensor>& key_padding_mask,
                                                      const at::Tensor& x) {
   if (!key_padding_mask.has_value() || !key_padding_mask->defined()) {
     return std::nullopt;
   }
   const at::Tensor& mask = *key_padding_mask;
-  const auto dtype = mask.scalar_type();
-  TORCH_CHECK_TYPE(dtype == at::kBool || at::isIntegralType(dtype, /*includeBool=*/false),
-                   "key_padding_mask must be bool (True = real token) or an integer 0/1 tensor; got dtype ",
-                   dtype, " (a float mask is ambiguous: additive bias or probability?)");
+  check_mask_dtype(mask);
   TORCH_CHECK_VALUE(mask.dim() == 2 && mask.size(0) == x.size(0) && mask.size(1) == x.size(1),
                     "key_padding_mask must have shape (B, T) = (", x.size(0), ", ", x.size(1),
                     "); got shape ", mask.sizes());
   TORCH_CHECK_VALUE(mask.device() == x.device(), "key_padding_mask must be on the same device as x (",
                     x.device(), "); got ", mask.device());
-  if (dtype == at::kBool) {
-    return mask;
+  return mask.scalar_type() == at::kBool ? mask : mask_to_bool(mask);
+}
+
+void check_cache_positions(const at::Tensor& start, const at::Tensor& end, int64_t new_tokens, int64_t max_len) {
+  const auto s = start.to(at::kCPU).contiguous();
+  const auto e = end.to(at::kCPU).contiguous();
+  const int64_t* s_ptr = s.data_ptr<int64_t>();
+  const int64_t* e_ptr = e.data_ptr<int64_t>();
+  for (int64_t b = 0; b < s.numel(); ++b) {
+    TORCH_CHECK_VALUE(0 <= s_ptr[b] && s_ptr[b] <= e_ptr[b] && e_ptr[b] <= s_ptr[b] + new_tokens,
+                      "cache positions of sequence ", b,
+                      " must satisfy 0 <= start <= end <= start + new tokens (", new_tokens, "); got start=", s_ptr[b],
+                      ", end=", e_ptr[b]);
+    TORCH_CHECK_VALUE(e_ptr[b] <= max_len, "KV cache overflow: sequence ", b, " holds ", s_ptr[b], " tokens and ",
+                      e_ptr[b] - s_ptr[b], " more do not fit in max_len=", max_len,
+                      " (make the cache longer, or reset it)");
   }
-  TORCH_CHECK_VALUE(mask.numel() == 0 || at::logical_and(mask != 0, mask != 1).any().item<bool>() == false,
-                    "key_padding_mask of integer dtype must hold only 0 (padding) and 1 (real token)");
-  return mask != 0;
+}
+
+at::Tensor cache_end(const at::Tensor& lengths, const std::optional<at::Tensor>& key_padding_mask, int64_t new_tokens,
+                     int64_t max_len) {
+  TORCH_CHECK_TYPE(lengths.scalar_type() == at::kLong && lengths.dim() == 1,
+                   "cache lengths must be a 1-D int64 tensor (B,); got ", lengths.scalar_type(), " of shape ",
+                   lengths.sizes());
+  TORCH_CHECK_VALUE(new_tokens >= 0, "the number of new tokens must be >= 0; got ", new_tokens);
+  at::Tensor end;
+  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
+    const auto& mask = *key_padding_mask;  // (B, t) bool, True = real
+    TORCH_CHECK_VALUE(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == lengths.size(0) &&
+                          mask.size(1) == new_tokens,
+                      "key_padding_mask must be a bool tensor of shape (B, t) = (", lengths.size(0), ", ",
+                      new_tokens, "); got ", mask.scalar_type(), " of shape ", mask.sizes());
+    const auto n_real = mask.sum(1);  // (B,) int64
+    const auto right_padded = at::arange(new_tokens, n_real.options()).unsqueeze(0) < n_real.unsqueeze(1);
+    const auto wrong = mask.ne(right_padded).any(1);  // (B,)
+    TORCH_CHECK_VALUE(!wrong.any().item<bool>(),
+                      "with a cache, key_padding_mask must be right padding (real tokens first); sequence ",
+                      wrong.nonzero().select(1, 0)[0].item<int64_t>(), " is not");
+    end = lengths + n_real;
+  } else {
+    end = lengths + new_tokens;
+  }
+  check_cache_positions(lengths, end, new_tokens, max_len);
+  return end;
 }
 
 }  // namespace causal_attention

@@ -6,7 +6,9 @@
 // to the bottom right), and never a position at or past end[b] (padding, or stale entries).
 //
 // Work items are (batch, head, split): when the batch is small the context of each sequence is
-// split across threads (flash-decoding) and the partial softmax states are merged at the end.
+// split into parts (flash-decoding) and the partial softmax states are merged at the end. The number
+// of parts depends on the shapes only, never on the thread count, so results are bitwise the same
+// for any number of threads, and so is the scratch memory.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "causal_attention/attention.h"
+#include "tensor_tiles.h"
 #include "tile_ops.h"
 
 namespace causal_attention::kernels {
@@ -26,9 +29,10 @@ namespace {
 constexpr int64_t kDecodeChunk = 256;  // keys per tile
 constexpr int64_t kDecodeRows = 64;    // new queries per tile
 constexpr int64_t kDecodeFewRows = 16;  // up to this many new queries: row-wise streaming, no GEMM
+constexpr int64_t kDecodeItems = 64;    // few new queries: split contexts until B * H * splits reaches this
 
 void check_cache(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const at::Tensor& start, int64_t n_heads) {
+                 const at::Tensor& start, const at::Tensor& end, int64_t n_heads) {
   check_qkv(qkv, n_heads);
   const int64_t B = qkv.size(0);
   const int64_t hd = qkv.size(2) / 3 / n_heads;
@@ -48,31 +52,33 @@ void check_cache(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Ten
   TORCH_CHECK_TYPE(start.scalar_type() == at::kLong && start.dim() == 1 && start.size(0) == B,
                    "cache lengths must be an int64 tensor of shape (B,) = (", B, ",); got ", start.scalar_type(),
                    " of shape ", start.sizes());
+  TORCH_CHECK_TYPE(end.scalar_type() == at::kLong && end.sizes() == start.sizes(),
+                   "cache ends must be an int64 tensor of shape (B,) = (", B, ",); got ", end.scalar_type(),
+                   " of shape ", end.sizes());
+  TORCH_CHECK_VALUE(end.device() == qkv.device(), "cache ends must be on the input's device (", qkv.device(), ")");
 }
 
 }  // namespace
 
 void kv_cache_write_cpu(const at::Tensor& qkv_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& start_in, int64_t n_heads) {
-  check_cache(qkv_in, k_cache, v_cache, start_in, n_heads);
+                        const at::Tensor& start_in, const at::Tensor& end_in, int64_t n_heads) {
+  check_cache(qkv_in, k_cache, v_cache, start_in, end_in, n_heads);
   const auto qkv = qkv_in.contiguous();
   const auto start = start_in.contiguous();
+  const auto end = end_in.contiguous();
   const int64_t B = qkv.size(0), t = qkv.size(1), dim = qkv.size(2) / 3, hd = dim / n_heads;
   const int64_t max_len = k_cache.size(2);
+  check_cache_positions(start, end, t, max_len);
   const int64_t* start_ptr = start.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK_VALUE(start_ptr[b] >= 0 && start_ptr[b] + t <= max_len, "KV cache overflow: sequence ", b,
-                      " holds ", start_ptr[b], " tokens and ", t, " more do not fit in max_len=", max_len,
-                      " (make the cache longer, or reset it)");
-  }
+  const int64_t* end_ptr = end.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "kv_cache_write", [&] {
     const scalar_t* src = qkv.data_ptr<scalar_t>();
     scalar_t* kc = k_cache.data_ptr<scalar_t>();
     scalar_t* vc = v_cache.data_ptr<scalar_t>();
-    at::parallel_for(0, B * n_heads, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bh = begin; bh < end; ++bh) {
+    at::parallel_for(0, B * n_heads, 1, [&](int64_t begin, int64_t end_bh) {
+      for (int64_t bh = begin; bh < end_bh; ++bh) {
         const int64_t b = bh / n_heads, h = bh % n_heads;
-        for (int64_t i = 0; i < t; ++i) {
+        for (int64_t i = 0; i < end_ptr[b] - start_ptr[b]; ++i) {  // the real new tokens only
           const scalar_t* row = src + (b * t + i) * 3 * dim;
           const int64_t pos = (bh * max_len + start_ptr[b] + i) * hd;
           std::copy(row + dim + h * hd, row + dim + (h + 1) * hd, kc + pos);
@@ -89,16 +95,19 @@ template <typename scalar_t>
 void decode_impl(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* start,
                  const int64_t* end, int64_t n_heads, const at::Tensor& out) {
   using acc_t = at::opmath_type<scalar_t>;
-  const auto& ops = tile::tile_ops<scalar_t>();
+  const auto& ops = tile::tile_ops<scalar_t>();   // streaming decode; conversions to the input type
+  const auto& acc_ops = tile::tile_ops<acc_t>();  // the tiles of the GEMM path, in acc_t
   const int64_t B = qkv.size(0), t = qkv.size(1), dim = qkv.size(2) / 3, H = n_heads, hd = dim / H;
+  const int64_t max_len = k_cache.size(2);
   const acc_t scale = acc_t(1) / std::sqrt(static_cast<acc_t>(hd));
   const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
 
-  // Split each context when (batch, head) pairs alone would leave threads idle.
-  const int64_t longest = *std::max_element(end, end + B);
-  const int64_t want = 4 * at::get_num_threads();
-  const int64_t n_split = std::clamp<int64_t>((want + B * H - 1) / (B * H), 1,
-                                               std::max<int64_t>(1, (longest + kDecodeChunk - 1) / kDecodeChunk));
+  // A few new queries of a small batch: split each context into parts, from the shapes alone (so the
+  // result and the scratch size never depend on the thread count). Part p of sequence b covers
+  // whole chunks of its own context.
+  const int64_t n_split = t <= kDecodeFewRows ? std::clamp<int64_t>(ceil_div(kDecodeItems, B * H), 1,
+                                                                     ceil_div(max_len, kDecodeChunk))
+                                              : 1;
   const int64_t n_items = B * H * n_split;
   // Partial softmax states of every split: output (t, hd), max and sum (t).
   const at::Tensor partial = at::empty({n_items, t * (hd + 2)}, qkv.options().dtype(acc_dtype));
@@ -106,8 +115,8 @@ void decode_impl(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Ten
 
   at::parallel_for(0, n_items, 1, [&](int64_t item_begin, int64_t item_end) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const at::Tensor scores = at::empty({kDecodeRows * kDecodeChunk}, qkv.options());
-    const at::Tensor pv = at::empty({kDecodeRows * hd}, qkv.options());
+    const at::Tensor scores = at::empty({kDecodeRows * kDecodeChunk}, qkv.options().dtype(acc_dtype));
+    const at::Tensor pv = at::empty({kDecodeRows * hd}, qkv.options().dtype(acc_dtype));
     const at::Tensor scratch =
         at::empty({kDecodeRows + kDecodeChunk + kDecodeFewRows * hd}, qkv.options().dtype(acc_dtype));
     acc_t* alpha = scratch.data_ptr<acc_t>();
@@ -146,26 +155,21 @@ void decode_impl(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Ten
         }
         continue;
       }
+      // More queries: tiles of GEMMs (as in the flash forward), every product in acc_t.
+      const at::Tensor queries_acc = widened(queries);  // (t, hd)
       for (int64_t r0 = 0; r0 < t; r0 += kDecodeRows) {
         const int64_t rows = std::min(t, r0 + kDecodeRows) - r0;
         const int64_t visible_end = std::min(ke, start[b] + r0 + rows);  // causal: the row block's last query
         for (int64_t k0 = ks; k0 < visible_end; k0 += kDecodeChunk) {
           const int64_t cols = std::min(visible_end, k0 + kDecodeChunk) - k0;
-          at::Tensor s = scores.narrow(0, 0, rows * cols).view({rows, cols});
-          if constexpr (!std::is_same_v<scalar_t, acc_t>) {
-            // bfloat16/half: scores in float32, probabilities rounded for the P V product.
-            at::Tensor s32 = at::mm(queries.narrow(0, r0, rows).to(at::kFloat), keys.narrow(0, k0, cols).to(at::kFloat).t());
-            tile::tile_ops<float>().softmax_tile(s32.data_ptr<float>(), cols, rows, cols, scale, start[b] + r0 - k0,
-                                                 nullptr, m + r0, l + r0, alpha, buf);
-            s.copy_(s32);
-          } else {
-            at::mm_out(s, queries.narrow(0, r0, rows), keys.narrow(0, k0, cols).t());
-            ops.softmax_tile(s.data_ptr<scalar_t>(), cols, rows, cols, scale, start[b] + r0 - k0, nullptr, m + r0,
-                             l + r0, alpha, buf);
-          }
-          at::Tensor pv_tile = pv.narrow(0, 0, rows * hd).view({rows, hd});
-          at::mm_out(pv_tile, s, values.narrow(0, k0, cols));
-          ops.rescale_add(o_acc + r0 * hd, hd, pv_tile.data_ptr<scalar_t>(), hd, rows, hd, alpha);
+          at::Tensor s = tile(scores, rows, cols);
+          at::mm_out(s, queries_acc.narrow(0, r0, rows), widened(keys.narrow(0, k0, cols)).t());
+          acc_ops.softmax_tile(s.data_ptr<acc_t>(), cols, rows, cols, scale, start[b] + r0 - k0, nullptr, m + r0,
+                               l + r0, alpha, buf);
+          ops.round_to_input(s.data_ptr<acc_t>(), cols, rows, cols);  // P as an input-type operand
+          at::Tensor pv_tile = tile(pv, rows, hd);
+          at::mm_out(pv_tile, s, widened(values.narrow(0, k0, cols)));
+          acc_ops.rescale_add(o_acc + r0 * hd, hd, pv_tile.data_ptr<acc_t>(), hd, rows, hd, alpha);
         }
       }
     }
@@ -209,21 +213,14 @@ void decode_impl(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Ten
 
 at::Tensor decode_attention_cpu(const at::Tensor& qkv_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& start_in, const at::Tensor& end_in, int64_t n_heads) {
-  check_cache(qkv_in, k_cache, v_cache, start_in, n_heads);
-  TORCH_CHECK_TYPE(end_in.scalar_type() == at::kLong && end_in.sizes() == start_in.sizes(),
-                   "cache ends must be an int64 tensor of shape (B,); got ", end_in.scalar_type(), " of shape ",
-                   end_in.sizes());
+  check_cache(qkv_in, k_cache, v_cache, start_in, end_in, n_heads);
   const auto qkv = qkv_in.stride(-1) == 1 ? qkv_in : qkv_in.contiguous();
   const auto start = start_in.contiguous();
   const auto end = end_in.contiguous();
   const int64_t B = qkv.size(0), t = qkv.size(1), dim = qkv.size(2) / 3, max_len = k_cache.size(2);
+  check_cache_positions(start, end, t, max_len);
   const int64_t* s = start.data_ptr<int64_t>();
   const int64_t* e = end.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK_VALUE(0 <= s[b] && s[b] <= e[b] && e[b] <= s[b] + t && e[b] <= max_len,
-                      "cache positions of sequence ", b, " must satisfy 0 <= start <= end <= start + new tokens (", t,
-                      ") and end <= max_len (", max_len, "); got start=", s[b], ", end=", e[b]);
-  }
   auto out = at::empty({B, t, dim}, qkv.options());
   if (out.numel() == 0) {
     return out;

@@ -18,14 +18,13 @@
 #include <type_traits>
 
 #include "causal_attention/attention.h"
+#include "tensor_tiles.h"
 #include "tile_ops.h"
 
 namespace causal_attention::kernels {
 namespace {
 
 enum KeyBlockStatus : uint8_t { kNoneReal = 0, kAllReal = 1, kMixed = 2 };
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Per sequence: the status of each key block, and the end of its real keys (1 + last real index).
 struct MaskSummary {
@@ -59,20 +58,29 @@ MaskSummary summarize(const std::optional<at::Tensor>& mask, int64_t B, int64_t 
   return {status.to(at::kByte).contiguous(), key_end.contiguous(), mask};
 }
 
-// bfloat16 / half: score and score-gradient tiles are computed in float32.
+// bfloat16 / half inputs: every tile product is computed and accumulated in float32.
 template <typename scalar_t>
 constexpr bool kReduced = !std::is_same_v<scalar_t, at::opmath_type<scalar_t>>;
 
-// Query rows per slice of a diagonal tile. With float/double GEMMs the masked triangle is worth
-// skipping; bfloat16/half GEMMs (oneDNN) are fast enough that more, smaller GEMMs cost more.
+// s (rows, cols, acc_t) = a . b^T, from the acc_t operands, or straight from the bfloat16 inputs
+// (a_in, b_in: rows read with leading dimensions ld_a, ld_b) with the AVX512-BF16 micro-kernel.
 template <typename scalar_t>
-constexpr int64_t diagonal_rows() {
-  return std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double> ? kDiagonalRows : kBlockQ;
+void score_tile(at::Tensor s, const at::Tensor& a, const at::Tensor& b, const scalar_t* a_in, int64_t ld_a,
+                const scalar_t* b_in, int64_t ld_b, uint32_t* pack) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (pack != nullptr) {
+      tile::tile_ops<scalar_t>().bf16_scores(a_in, ld_a, b_in, ld_b, s.size(0), s.size(1), a.size(1),
+                                             s.data_ptr<float>(), s.stride(0), pack);
+      return;
+    }
+  }
+  at::mm_out(s, a, b.t());
 }
 
-// A (rows, cols) matrix view of a flat workspace.
-at::Tensor tile(const at::Tensor& workspace, int64_t rows, int64_t cols) {
-  return workspace.narrow(0, 0, rows * cols).view({rows, cols});
+// Whether the AVX512-BF16 score micro-kernel runs (bfloat16 on a CPU that has it, even head_dim).
+template <typename scalar_t>
+bool use_bf16_scores(int64_t hd) {
+  return tile::tile_ops<scalar_t>().bf16_scores != nullptr && hd % 2 == 0;
 }
 
 // Query blocks of one (batch, head) in an order that pairs short causal rows with long ones, so
@@ -93,18 +101,15 @@ template <typename scalar_t>
 void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, const Geometry& g,
                   const at::Tensor& out, const at::Tensor& lse) {
   using acc_t = at::opmath_type<scalar_t>;
-  const auto& ops = tile::tile_ops<scalar_t>();
+  const auto& ops = tile::tile_ops<scalar_t>();   // conversions from and to the input type
+  const auto& acc_ops = tile::tile_ops<acc_t>();  // the tiles, in acc_t
   const MaskSummary summary = summarize(mask, g.B, g.T, kBlockK);
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   acc_t* lse_ptr = lse.data_ptr<acc_t>();
   const acc_t scale = acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd));
-  const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
-
-  // bfloat16/half score tiles in float32: straight from bfloat16 pairs with AVX512-BF16 where the
-  // CPU has it, else from q and k widened to float32 once, (B, T, 2 * dim).
-  const bool dot_bf16 = ops.bf16_scores != nullptr && g.hd % 2 == 0;
-  const at::Tensor qk_wide =
-      kReduced<scalar_t> && !dot_bf16 ? qkv.narrow(2, 0, 2 * g.dim).to(at::kFloat) : at::Tensor();
+  const at::Tensor qkv_acc = widened(qkv);  // (B, T, 3 * dim) acc_t
+  const bool dot_bf16 = use_bf16_scores<scalar_t>(g.hd);
+  const scalar_t* qkv_in = qkv.data_ptr<scalar_t>();
   const int64_t ld = qkv.stride(1);
 
   at::parallel_for(0, g.B * g.H * g.nq, 1, [&](int64_t begin, int64_t end) {
@@ -112,18 +117,16 @@ void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, 
     // plain kernels, never recorded by autograd.
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     // Per-chunk workspace, reused by every work item of the chunk.
-    const at::Tensor scores = at::empty({kBlockQ * kBlockK}, qkv.options());
-    const at::Tensor pv = at::empty({kBlockQ * g.hd}, qkv.options());
-    // bfloat16/half: scores are computed and normalised in float32 (q and k widened first), and
-    // only the probabilities are rounded to the input type for the P V product.
-    const at::Tensor s_wide = kReduced<scalar_t> ? at::empty({kBlockQ * kBlockK}, qkv.options().dtype(at::kFloat))
-                                                 : at::Tensor();
-    const at::Tensor pack = dot_bf16 ? at::empty({(g.hd / 2) * (kBlockK + 32)}, qkv.options().dtype(at::kInt))
+    const auto acc_options = qkv_acc.options();
+    const at::Tensor scores = at::empty({kBlockQ * kBlockK}, acc_options);
+    const at::Tensor pv = at::empty({kBlockQ * g.hd}, acc_options);
+    const at::Tensor pack = dot_bf16 ? at::empty({(g.hd / 2) * (kBlockK + 32)}, acc_options.dtype(at::kInt))
                                      : at::Tensor();
-    const at::Tensor acc = at::empty({kBlockQ * g.hd + 3 * kBlockQ + kBlockK}, qkv.options().dtype(acc_dtype));
-    acc_t* o_acc = acc.data_ptr<acc_t>();
-    acc_t* m = o_acc + kBlockQ * g.hd;
-    acc_t* l = m + kBlockQ;
+    uint32_t* pack_ptr = dot_bf16 ? reinterpret_cast<uint32_t*>(pack.data_ptr<int32_t>()) : nullptr;
+    const at::Tensor state = at::empty({kBlockQ * g.hd + 3 * kBlockQ + kBlockK}, acc_options);
+    acc_t* o_acc = state.data_ptr<acc_t>();  // (bq, hd) unnormalised output
+    acc_t* m = o_acc + kBlockQ * g.hd;       // running row max
+    acc_t* l = m + kBlockQ;                  // running row sum
     acc_t* alpha = l + kBlockQ;
     acc_t* buf = alpha + kBlockQ;
 
@@ -135,11 +138,9 @@ void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, 
       const int64_t q0 = qb * kBlockQ;
       const int64_t q1 = std::min(g.T, q0 + kBlockQ);
       const int64_t bq = q1 - q0;
-      const auto seq = qkv.select(0, b);                              // (T, 3 * dim)
+      const auto seq = qkv_acc.select(0, b);                          // (T, 3 * dim)
       const auto q = seq.narrow(0, q0, bq).narrow(1, h * g.hd, g.hd);  // (bq, hd)
-      const at::Tensor q32 = qk_wide.defined() ? qk_wide.select(0, b).narrow(0, q0, bq).narrow(1, h * g.hd, g.hd)
-                                               : at::Tensor();  // (bq, hd) float32
-      const scalar_t* seq_ptr = seq.data_ptr<scalar_t>();
+      const scalar_t* seq_in = qkv_in + b * qkv.stride(0);
 
       std::fill(o_acc, o_acc + bq * g.hd, acc_t(0));
       std::fill(m, m + bq, -std::numeric_limits<acc_t>::infinity());
@@ -156,39 +157,27 @@ void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, 
         const bool* key_mask = (st == kMixed) ? summary.mask + b * g.T + k0 : nullptr;
         // Rows r0..r1 of the query block against the first `cols` keys of the key block.
         const auto attend = [&](int64_t r0, int64_t r1, int64_t cols) {
+          const int64_t rows = r1 - r0;
           const auto k = seq.narrow(0, k0, cols).narrow(1, g.dim + h * g.hd, g.hd);      // (cols, hd)
           const auto v = seq.narrow(0, k0, cols).narrow(1, 2 * g.dim + h * g.hd, g.hd);  // (cols, hd)
-          at::Tensor s = tile(scores, r1 - r0, cols);                                    // (rows, cols)
+          const at::Tensor s = tile(scores, rows, cols);                                 // (rows, cols)
           const int64_t causal_offset = (k0 + cols - 1 > q0 + r0) ? q0 + r0 - k0 : tile::kNoCausal;
-          if constexpr (kReduced<scalar_t>) {
-            at::Tensor s32 = tile(s_wide, r1 - r0, cols);
-            if (dot_bf16) {
-              ops.bf16_scores(seq_ptr + (q0 + r0) * ld + h * g.hd, ld, seq_ptr + k0 * ld + g.dim + h * g.hd, ld,
-                              r1 - r0, cols, g.hd, s32.data_ptr<float>(), cols,
-                              reinterpret_cast<uint32_t*>(pack.data_ptr<int32_t>()));
-            } else {
-              const auto k32 = qk_wide.select(0, b).narrow(0, k0, cols).narrow(1, g.dim + h * g.hd, g.hd);
-              at::mm_out(s32, q32.narrow(0, r0, r1 - r0), k32.t());
-            }
-            tile::tile_ops<float>().softmax_tile(s32.data_ptr<float>(), cols, r1 - r0, cols, scale, causal_offset,
-                                                 key_mask, m + r0, l + r0, alpha + r0, buf);
-            s.copy_(s32);  // probabilities, rounded to the input type
-          } else {
-            at::mm_out(s, q.narrow(0, r0, r1 - r0), k.t());
-            ops.softmax_tile(s.data_ptr<scalar_t>(), cols, r1 - r0, cols, scale, causal_offset, key_mask, m + r0,
-                             l + r0, alpha + r0, buf);
-          }
-          at::Tensor pv_tile = tile(pv, r1 - r0, g.hd);  // (rows, hd)
+          score_tile<scalar_t>(s, q.narrow(0, r0, rows), k, seq_in + (q0 + r0) * ld + h * g.hd, ld,
+                               seq_in + k0 * ld + g.dim + h * g.hd, ld, pack_ptr);
+          acc_ops.softmax_tile(s.data_ptr<acc_t>(), cols, rows, cols, scale, causal_offset, key_mask, m + r0, l + r0,
+                               alpha + r0, buf);
+          ops.round_to_input(s.data_ptr<acc_t>(), cols, rows, cols);  // P as an input-type operand (entries <= 1)
+          at::Tensor pv_tile = tile(pv, rows, g.hd);                   // (rows, hd)
           at::mm_out(pv_tile, s, v);
-          ops.rescale_add(o_acc + r0 * g.hd, g.hd, pv_tile.data_ptr<scalar_t>(), g.hd, r1 - r0, g.hd, alpha + r0);
+          acc_ops.rescale_add(o_acc + r0 * g.hd, g.hd, pv_tile.data_ptr<acc_t>(), g.hd, rows, g.hd, alpha + r0);
         };
         if (k0 + bk - 1 <= q0) {  // below the diagonal: every row sees every key
           attend(0, bq, bk);
           continue;
         }
         // On the diagonal: rows in slices, each against the keys it can see.
-        for (int64_t r0 = 0; r0 < bq; r0 += diagonal_rows<scalar_t>()) {
-          const int64_t r1 = std::min(bq, r0 + diagonal_rows<scalar_t>());
+        for (int64_t r0 = 0; r0 < bq; r0 += kDiagonalRows) {
+          const int64_t r1 = std::min(bq, r0 + kDiagonalRows);
           const int64_t cols = std::min(bk, q0 + r1 - k0);
           if (cols > 0) {
             attend(r0, r1, cols);
@@ -201,28 +190,12 @@ void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, 
   });
 }
 
-// acc (rows, cols; leading dimension ld) += a @ b, accumulated in acc_t: straight into acc when
-// acc_t is the input type, else through the workspace tmp.
-template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void accumulate_product(acc_t* acc, int64_t ld, const at::Tensor& a, const at::Tensor& b, const at::Tensor& tmp,
-                        const tile::TileOps<scalar_t>& ops) {
-  const int64_t rows = a.size(0);
-  const int64_t cols = b.size(1);
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    at::Tensor out = at::from_blob(acc, {rows, cols}, {ld, 1}, a.options());
-    at::addmm_out(out, out, a, b);
-  } else {
-    at::Tensor t = tile(tmp, rows, cols);
-    at::mm_out(t, a, b);
-    ops.add(acc, ld, t.data_ptr<scalar_t>(), cols, rows, cols);
-  }
-}
-
 template <typename scalar_t>
 void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std::optional<at::Tensor>& mask,
                    const at::Tensor& out, const at::Tensor& lse, const Geometry& g, const at::Tensor& grad_qkv) {
   using acc_t = at::opmath_type<scalar_t>;
-  const auto& ops = tile::tile_ops<scalar_t>();
+  const auto& ops = tile::tile_ops<scalar_t>();   // conversions from and to the input type
+  const auto& acc_ops = tile::tile_ops<acc_t>();  // the tiles, in acc_t
   const MaskSummary summary = summarize(mask, g.B, g.T, kBwdBlockK);
   const acc_t* lse_ptr = lse.data_ptr<acc_t>();
   const acc_t scale = acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd));
@@ -230,36 +203,37 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
   // delta[b, t, h] = sum_d dO[b, t, h, d] * O[b, t, h, d]
   const at::Tensor delta = (grad_out.to(acc_dtype) * out.to(acc_dtype)).view({g.B, g.T, g.H, g.hd}).sum(3).contiguous();
   const acc_t* delta_ptr = delta.data_ptr<acc_t>();
+  const at::Tensor qkv_acc = widened(qkv);        // (B, T, 3 * dim) acc_t
+  const at::Tensor dout_acc = widened(grad_out);  // (B, T, dim) acc_t
+  const bool dot_bf16 = use_bf16_scores<scalar_t>(g.hd);
+  const scalar_t* qkv_in = qkv.data_ptr<scalar_t>();
+  const scalar_t* dout_in = grad_out.data_ptr<scalar_t>();
   scalar_t* grad_ptr = grad_qkv.data_ptr<scalar_t>();
+  const int64_t ld = qkv.stride(1);
   const int64_t ld_grad = 3 * g.dim;
 
   at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t end) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // as in the forward
-    const at::Tensor p_ws = at::empty({kBwdBlockQ * kBwdBlockK}, qkv.options());
-    const at::Tensor dp_ws = at::empty({kBwdBlockQ * kBwdBlockK}, qkv.options());
-    const at::Tensor tmp_ws = at::empty({std::max(kBwdBlockQ, kBwdBlockK) * g.hd}, qkv.options());
-    // bfloat16/half: P and dP are computed in float32 from widened q, k, v, dO (as in the forward).
-    const auto f32 = qkv.options().dtype(at::kFloat);
-    const auto wide = [&](int64_t n) { return kReduced<scalar_t> ? at::empty({n}, f32) : at::Tensor(); };
-    const bool dot_bf16 = ops.bf16_scores != nullptr && g.hd % 2 == 0;  // as in the forward
-    // Widened inputs only where the float32 GEMMs need them (no AVX512-BF16 path).
-    const auto widened = [&](int64_t n) { return dot_bf16 ? at::Tensor() : wide(n); };
-    const at::Tensor q_wide = widened(kBwdBlockQ * g.hd), do_wide = widened(kBwdBlockQ * g.hd);
-    const at::Tensor k_wide = widened(kBwdBlockK * g.hd), v_wide = widened(kBwdBlockK * g.hd);
-    const at::Tensor p_wide = wide(kBwdBlockQ * kBwdBlockK), dp_wide = wide(kBwdBlockQ * kBwdBlockK);
-    const at::Tensor pack = dot_bf16 ? at::empty({(g.hd / 2) * (kBwdBlockK + 32)}, qkv.options().dtype(at::kInt))
+    const auto acc_options = qkv_acc.options();
+    const at::Tensor p_ws = at::empty({kBwdBlockQ * kBwdBlockK}, acc_options);   // P
+    const at::Tensor dp_ws = at::empty({kBwdBlockQ * kBwdBlockK}, acc_options);  // dP, then dS
+    // bfloat16/half: P rounded to the input type for P^T dO (dS is computed from the unrounded P).
+    const at::Tensor p_in_ws = kReduced<scalar_t> ? at::empty({kBwdBlockQ * kBwdBlockK}, acc_options) : at::Tensor();
+    const at::Tensor pack = dot_bf16 ? at::empty({(g.hd / 2) * (kBwdBlockK + 32)}, acc_options.dtype(at::kInt))
                                      : at::Tensor();
     uint32_t* pack_ptr = dot_bf16 ? reinterpret_cast<uint32_t*>(pack.data_ptr<int32_t>()) : nullptr;
-    const at::Tensor acc = at::empty({(g.T + 2 * kBwdBlockK) * g.hd}, qkv.options().dtype(acc_dtype));
-    acc_t* dq_acc = acc.data_ptr<acc_t>();        // (T, hd)
-    acc_t* dk_acc = dq_acc + g.T * g.hd;          // (block_k, hd)
-    acc_t* dv_acc = dk_acc + kBwdBlockK * g.hd;      // (block_k, hd)
+    const at::Tensor acc = at::empty({(g.T + 2 * kBwdBlockK) * g.hd}, acc_options);
+    acc_t* dq_acc = acc.data_ptr<acc_t>();     // (T, hd)
+    acc_t* dk_acc = dq_acc + g.T * g.hd;       // (block_k, hd)
+    acc_t* dv_acc = dk_acc + kBwdBlockK * g.hd;  // (block_k, hd)
 
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / g.H;
       const int64_t h = bh % g.H;
-      const auto seq = qkv.select(0, b);       // (T, 3 * dim)
-      const auto dout = grad_out.select(0, b);  // (T, dim)
+      const auto seq = qkv_acc.select(0, b);    // (T, 3 * dim)
+      const auto dout = dout_acc.select(0, b);  // (T, dim)
+      const scalar_t* seq_in = qkv_in + b * qkv.stride(0);
+      const scalar_t* dout_seq_in = dout_in + b * g.T * g.dim;
       std::fill(dq_acc, dq_acc + g.T * g.hd, acc_t(0));
       scalar_t* grad_seq = grad_ptr + b * g.T * ld_grad;
 
@@ -283,8 +257,6 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
         const auto k = seq.narrow(0, k0, bk).narrow(1, g.dim + h * g.hd, g.hd);      // (bk, hd)
         const auto v = seq.narrow(0, k0, bk).narrow(1, 2 * g.dim + h * g.hd, g.hd);  // (bk, hd)
         const bool* key_mask = (st == kMixed) ? summary.mask + b * g.T + k0 : nullptr;
-        const at::Tensor k32 = kReduced<scalar_t> && !dot_bf16 ? tile(k_wide, bk, g.hd).copy_(k) : at::Tensor();
-        const at::Tensor v32 = kReduced<scalar_t> && !dot_bf16 ? tile(v_wide, bk, g.hd).copy_(v) : at::Tensor();
         std::fill(dk_acc, dk_acc + bk * g.hd, acc_t(0));
         std::fill(dv_acc, dv_acc + bk * g.hd, acc_t(0));
 
@@ -293,54 +265,39 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
           // Query rows r0..r1 of the block against the first `cols` keys of the key block.
           const auto grad_tile = [&](int64_t r0, int64_t r1, int64_t cols) {
             const int64_t rows = r1 - r0;
-            const auto q = seq.narrow(0, q0 + r0, rows).narrow(1, h * g.hd, g.hd);   // (rows, hd)
+            const auto q = seq.narrow(0, q0 + r0, rows).narrow(1, h * g.hd, g.hd);    // (rows, hd)
             const auto dO = dout.narrow(0, q0 + r0, rows).narrow(1, h * g.hd, g.hd);  // (rows, hd)
             const auto kc = k.narrow(0, 0, cols);                                       // (cols, hd)
-            at::Tensor p = tile(p_ws, rows, cols);                                      // (rows, cols)
-            at::Tensor dp = tile(dp_ws, rows, cols);                                    // (rows, cols)
+            const auto vc = v.narrow(0, 0, cols);                                       // (cols, hd)
+            const at::Tensor p = tile(p_ws, rows, cols);                                // (rows, cols)
+            const at::Tensor dp = tile(dp_ws, rows, cols);                              // (rows, cols)
             const int64_t causal_offset = (k0 + cols - 1 > q0 + r0) ? q0 + r0 - k0 : tile::kNoCausal;
             const acc_t* lse_rows = lse_ptr + bh * g.T + q0 + r0;
             const acc_t* delta_rows = delta_ptr + (b * g.T + q0 + r0) * g.H + h;
+            // P = exp(scale * q k^T - lse)
+            score_tile<scalar_t>(p, q, kc, seq_in + (q0 + r0) * ld + h * g.hd, ld, seq_in + k0 * ld + g.dim + h * g.hd,
+                                 ld, pack_ptr);
+            acc_ops.probabilities(p.data_ptr<acc_t>(), cols, rows, cols, scale, causal_offset, key_mask, lse_rows);
+            at::Tensor p_in = p;
             if constexpr (kReduced<scalar_t>) {
-              const auto& ops32 = tile::tile_ops<float>();
-              at::Tensor p32 = tile(p_wide, rows, cols);
-              at::Tensor dp32 = tile(dp_wide, rows, cols);
-              if (dot_bf16) {
-                ops.bf16_scores(q.data_ptr<scalar_t>(), q.stride(0), kc.data_ptr<scalar_t>(), kc.stride(0), rows, cols,
-                                g.hd, p32.data_ptr<float>(), cols, pack_ptr);
-              } else {
-                at::mm_out(p32, tile(q_wide, rows, g.hd).copy_(q), k32.narrow(0, 0, cols).t());
-              }
-              ops32.probabilities(p32.data_ptr<float>(), cols, rows, cols, scale, causal_offset, key_mask, lse_rows);
-              p.copy_(p32);
-              accumulate_product(dv_acc, g.hd, p.t(), dO, tmp_ws, ops);  // dV += P^T dO
-              if (dot_bf16) {  // dP = dO V^T
-                const auto vc = v.narrow(0, 0, cols);
-                ops.bf16_scores(dO.data_ptr<scalar_t>(), dO.stride(0), vc.data_ptr<scalar_t>(), vc.stride(0), rows, cols,
-                                g.hd, dp32.data_ptr<float>(), cols, pack_ptr);
-              } else {
-                at::mm_out(dp32, tile(do_wide, rows, g.hd).copy_(dO), v32.narrow(0, 0, cols).t());
-              }
-              ops32.score_grad(dp32.data_ptr<float>(), p32.data_ptr<float>(), cols, rows, cols, scale, delta_rows,
-                               g.H);  // dS = scale * P (dP - delta)
-              dp.copy_(dp32);
-            } else {
-              at::mm_out(p, q, kc.t());
-              ops.probabilities(p.data_ptr<scalar_t>(), cols, rows, cols, scale, causal_offset, key_mask, lse_rows);
-              accumulate_product(dv_acc, g.hd, p.t(), dO, tmp_ws, ops);  // dV += P^T dO
-              at::mm_out(dp, dO, v.narrow(0, 0, cols).t());               // dP = dO V^T
-              ops.score_grad(dp.data_ptr<scalar_t>(), p.data_ptr<scalar_t>(), cols, rows, cols, scale, delta_rows,
-                             g.H);  // dS = scale * P (dP - delta)
+              p_in = tile(p_in_ws, rows, cols).copy_(p);
+              ops.round_to_input(p_in.data_ptr<acc_t>(), cols, rows, cols);
             }
-            accumulate_product(dq_acc + (q0 + r0) * g.hd, g.hd, dp, kc, tmp_ws, ops);  // dQ += dS K
-            accumulate_product(dk_acc, g.hd, dp.t(), q, tmp_ws, ops);                  // dK += dS^T Q
+            accumulate_product(dv_acc, g.hd, p_in.t(), dO);  // dV += P^T dO
+            // dS = scale * P (dO v^T - delta), rounded to the input type for the products that follow
+            score_tile<scalar_t>(dp, dO, vc, dout_seq_in + (q0 + r0) * g.dim + h * g.hd, g.dim,
+                                 seq_in + k0 * ld + 2 * g.dim + h * g.hd, ld, pack_ptr);
+            acc_ops.score_grad(dp.data_ptr<acc_t>(), p.data_ptr<acc_t>(), cols, rows, cols, scale, delta_rows, g.H);
+            ops.round_to_input(dp.data_ptr<acc_t>(), cols, rows, cols);
+            accumulate_product(dq_acc + (q0 + r0) * g.hd, g.hd, dp, kc);  // dQ += dS K
+            accumulate_product(dk_acc, g.hd, dp.t(), q);                   // dK += dS^T Q
           };
           if (k0 + bk - 1 <= q0) {  // below the diagonal: every row sees every key
             grad_tile(0, bq, bk);
             continue;
           }
-          for (int64_t r0 = 0; r0 < bq; r0 += diagonal_rows<scalar_t>()) {  // on the diagonal, as in the forward
-            const int64_t r1 = std::min(bq, r0 + diagonal_rows<scalar_t>());
+          for (int64_t r0 = 0; r0 < bq; r0 += kDiagonalRows) {  // on the diagonal, as in the forward
+            const int64_t r1 = std::min(bq, r0 + kDiagonalRows);
             const int64_t cols = std::min(bk, q0 + r1 - k0);
             if (cols > 0) {
               grad_tile(r0, r1, cols);

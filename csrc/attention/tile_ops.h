@@ -63,6 +63,10 @@ struct TileOps {
   void (*bf16_scores)(const scalar_t* a, int64_t ld_a, const scalar_t* b, int64_t ld_b, int64_t rows, int64_t cols,
                       int64_t hd, float* s, int64_t ld_s, uint32_t* pack);
 
+  // x = x rounded to the input type and back (rows x cols, ld): the operand that a product in the
+  // input type would see. The identity for float and double.
+  void (*round_to_input)(acc_t* x, int64_t ld, int64_t rows, int64_t cols);
+
   // Backward. In: dp = dO . v. Out: dp = scale * p * (dp - delta[i * delta_stride]).
   void (*score_grad)(scalar_t* dp, const scalar_t* p, int64_t ld, int64_t rows, int64_t cols, acc_t scale,
                      const acc_t* delta, int64_t delta_stride);

@@ -1,6 +1,7 @@
 // The tile routines of tile_ops.h, compiled once per instruction set. CMake builds this file three
 // times with CPU_CAPABILITY = DEFAULT, AVX2, AVX512 (and the matching -m flags); every symbol lives
 // in the namespace causal_attention::tile::<CPU_CAPABILITY>, as at::vec's do, so the copies never mix.
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -237,6 +238,27 @@ void score_grad(scalar_t* dp, const scalar_t* p, int64_t ld, int64_t rows, int64
   }
 }
 
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void round_to_input([[maybe_unused]] acc_t* x, [[maybe_unused]] int64_t ld, [[maybe_unused]] int64_t rows,
+                    [[maybe_unused]] int64_t cols) {
+  if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+    constexpr int64_t W = Vec<float>::size();
+    for (int64_t i = 0; i < rows; ++i) {
+      float* row = x + i * ld;
+      int64_t j = 0;
+      for (; j + 2 * W <= cols; j += 2 * W) {
+        const auto rounded = at::vec::convert_from_float<scalar_t>(Vec<float>::loadu(row + j), Vec<float>::loadu(row + j + W));
+        const auto [lo, hi] = at::vec::convert_to_float<scalar_t>(rounded);
+        lo.store(row + j);
+        hi.store(row + j + W);
+      }
+      for (; j < cols; ++j) {
+        row[j] = static_cast<float>(static_cast<scalar_t>(row[j]));
+      }
+    }
+  }
+}
+
 // sum_d a[d] * b[d], a in acc_t, b in scalar_t.
 template <typename scalar_t, typename acc_t>
 inline acc_t dot(const acc_t* a, const scalar_t* b, int64_t hd) {
@@ -399,6 +421,7 @@ TileOps<scalar_t> make_tile_ops() {
   ops.decode_chunk = &decode_chunk<scalar_t>;
   ops.probabilities = &probabilities<scalar_t>;
   ops.score_grad = &score_grad<scalar_t>;
+  ops.round_to_input = &round_to_input<scalar_t>;
   ops.bf16_scores = nullptr;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {

@@ -73,7 +73,40 @@ def select_backend(qkv: Tensor, requested: Backend) -> str:
 
 
 def _cpp(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int) -> Tensor:
-    return torch.ops.causal_attention.attention(qkv, key_padding_mask, n_heads)
+    return _ops.attention(qkv, key_padding_mask, n_heads)  # the fused kernels, autograd in _ops.py
+
+
+# Checks on values that guard data. With the engine loaded they run inside its ops (ValueError),
+# which torch.compile and torch.export keep as they are; without it, torch._assert_async keeps them
+# (RuntimeError, and a device-side assert on CUDA).
+
+
+def mask_to_bool(mask: Tensor) -> Tensor:
+    """An integer 0/1 key padding mask (B, T) as bool; any other value is an error, compiled too."""
+    if _ops.core_loaded():
+        return torch.ops.causal_attention.mask_to_bool(mask)
+    torch._assert_async(
+        ((mask == 0) | (mask == 1)).all(), "key_padding_mask of integer dtype must hold only 0 (padding) and 1 (real token)"
+    )
+    return mask != 0
+
+
+def cache_end(lengths: Tensor, mask: Tensor | None, new_tokens: int, max_len: int) -> Tensor:
+    """The cache lengths (B,) after a step of new_tokens tokens, mask (B, new_tokens) bool marking
+    the real ones (right padding, checked); each sequence must have room for its own real tokens."""
+    if _ops.core_loaded():
+        return torch.ops.causal_attention.cache_end(lengths, mask, new_tokens, max_len)
+    if mask is None:
+        end = lengths + new_tokens
+    else:
+        n_real = mask.sum(1)  # (B,)
+        right_padded = torch.arange(new_tokens, device=mask.device)[None, :] < n_real[:, None]  # (B, t)
+        torch._assert_async(
+            (mask == right_padded).all(), "with a cache, key_padding_mask must be right padding (real tokens first)"
+        )
+        end = lengths + n_real
+    torch._assert_async((end <= max_len).all(), f"KV cache overflow: the new tokens do not fit in max_len={max_len}")
+    return end
 
 
 def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
@@ -114,20 +147,21 @@ def _sdpa(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int) -> Tensor:
 def cached_attention_torch(qkv: Tensor, cache: KVCache, start: Tensor, end: Tensor, n_heads: int) -> Tensor:
     """The KV cache path in plain torch (any device): writes the new k and v, then attends.
 
-    qkv (B, t, 3 * dim); start, end (B,): new query i of sequence b sits at start[b] + i and sees
-    cache positions j <= min(start[b] + i, end[b] - 1). Returns (B, t, dim).
+    qkv (B, t, 3 * dim); start, end (B,), already checked (cache_end): new query i of sequence b
+    sits at start[b] + i and sees cache positions j <= min(start[b] + i, end[b] - 1). Only the real
+    new tokens (positions start[b]..end[b]-1) are written; shapes are static and nothing indexes
+    past max_len, so a compiled step never reads or writes out of bounds. Returns (B, t, dim).
     """
     B, t, three_dim = qkv.shape
     q, k_new, v_new = _split_heads(qkv, n_heads)  # each (B, H, t, hd)
-    positions = start[:, None] + torch.arange(t, device=qkv.device)  # (B, t)
-    if not torch.compiler.is_compiling() and t > 0 and int(positions.max()) >= cache.max_len:
-        raise ValueError(
-            f"KV cache overflow: {t} new tokens after {int(start.max())} do not fit in max_len={cache.max_len}"
-        )
-    index = positions[:, None, :, None].expand_as(k_new)  # (B, H, t, hd)
-    cache.k.scatter_(2, index, k_new)
-    cache.v.scatter_(2, index, v_new)
     keys = torch.arange(cache.max_len, device=qkv.device)  # (L,)
+    written = (keys[None, :] >= start[:, None]) & (keys[None, :] < end[:, None])  # (B, L)
+    source = (keys[None, :] - start[:, None]).clamp(0, max(t - 1, 0))  # (B, L): new token at each position
+    if t > 0:
+        index = source[:, None, :, None].expand(B, n_heads, cache.max_len, k_new.shape[3])  # (B, H, L, hd)
+        cache.k.copy_(torch.where(written[:, None, :, None], k_new.gather(2, index), cache.k))
+        cache.v.copy_(torch.where(written[:, None, :, None], v_new.gather(2, index), cache.v))
+    positions = start[:, None] + torch.arange(t, device=qkv.device)  # (B, t)
     allowed = (keys[None, None, :] <= positions[:, :, None]) & (keys[None, None, :] < end[:, None, None])  # (B, t, L)
     out = masked_sdpa(q, cache.k, cache.v, allowed)  # (B, H, t, hd)
     return out.transpose(1, 2).reshape(B, t, three_dim // 3)  # (B, t, dim)

@@ -46,9 +46,7 @@ def normalize_key_padding_mask(key_padding_mask: Tensor | None, x: Tensor) -> Te
         raise ValueError(f"key_padding_mask must be on the same device as x ({x.device}); got {mask.device}")
     if mask.dtype == torch.bool:
         return mask
-    if not torch.compiler.is_compiling() and bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError("key_padding_mask of integer dtype must hold only 0 (padding) and 1 (real token)")
-    return mask != 0
+    return backends.mask_to_bool(mask)  # checks the values inside an op: eager, compiled and exported
 
 
 class CausalSelfAttention(nn.Module):
@@ -164,25 +162,23 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(
                 f"cache must match x's dtype and device ({x.dtype}, {x.device}); got ({cache.k.dtype}, {cache.k.device})"
             )
-        if torch.is_grad_enabled() and (x.requires_grad or self.qkv.weight.requires_grad):
-            raise ValueError("the KV cache is for inference: call the layer under torch.no_grad() or torch.inference_mode()")
+        if torch.is_grad_enabled():
+            # The cache path has no backward: refuse it while anything could want a gradient.
+            wanting = ["x"] if x.requires_grad else []
+            wanting += [name for name, p in self.named_parameters() if p.requires_grad]
+            if wanting:
+                raise ValueError(
+                    f"the KV cache is for inference, but {', '.join(wanting)} require(s) grad: call the layer under "
+                    "torch.no_grad() or torch.inference_mode()"
+                )
 
     def _forward_cached(self, x: Tensor, mask: Tensor | None, cache: KVCache) -> Tensor:
         self._check_cache(cache, x)
-        B, t = x.shape[0], x.shape[1]
         start = cache.lengths  # (B,) tokens already in the cache
-        if mask is None:
-            end = start + t  # (B,)
-        else:
-            n_real = mask.sum(1)  # (B,)
-            if not torch.compiler.is_compiling():
-                right_padded = torch.arange(t, device=x.device)[None, :] < n_real[:, None]
-                if not torch.equal(mask, right_padded):
-                    raise ValueError("with a cache, key_padding_mask must be right padding (real tokens first)")
-            end = start + n_real  # (B,)
+        end = backends.cache_end(start, mask, x.shape[1], cache.max_len)  # (B,), checked: right padding, room
         qkv = self.qkv(x)  # (B, t, 3 * dim)
         if backends.select_backend(qkv, self.backend) == "cpp":
-            torch.ops.causal_attention.kv_cache_write(qkv, cache.k, cache.v, start, self.n_heads)
+            torch.ops.causal_attention.kv_cache_write(qkv, cache.k, cache.v, start, end, self.n_heads)
             y = torch.ops.causal_attention.decode_attention(qkv, cache.k, cache.v, start, end, self.n_heads)
         else:
             y = backends.cached_attention_torch(qkv, cache, start, end, self.n_heads)  # (B, t, dim)

@@ -26,6 +26,19 @@ void check_qkv(const at::Tensor& qkv, int64_t n_heads);
 std::optional<at::Tensor> normalize_key_padding_mask(const std::optional<at::Tensor>& key_padding_mask,
                                                      const at::Tensor& x);
 
+// A key padding mask as bool: bool is copied; an integer mask must hold only 0 and 1 (ValueError).
+at::Tensor mask_to_bool(const at::Tensor& key_padding_mask);
+
+// Generation: checks that 0 <= start <= end <= start + new_tokens and end <= max_len for every
+// sequence (ValueError naming the sequence; "KV cache overflow" past max_len).
+void check_cache_positions(const at::Tensor& start, const at::Tensor& end, int64_t new_tokens, int64_t max_len);
+
+// Generation: the cache lengths after a step of new_tokens tokens per sequence, key_padding_mask
+// (B, new_tokens) bool marking the real ones (right padding, checked) or none (all real). Each
+// sequence's capacity is judged by its own real new tokens: ValueError on overflow.
+at::Tensor cache_end(const at::Tensor& lengths, const std::optional<at::Tensor>& key_padding_mask, int64_t new_tokens,
+                     int64_t max_len);
+
 // The attention core through the dispatcher (autograd, torch.compile, every backend).
 at::Tensor attention(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
                      int64_t n_heads);
@@ -61,10 +74,11 @@ at::Tensor attention_backward_cpu(const at::Tensor& grad_out, const at::Tensor& 
                                   const std::optional<at::Tensor>& key_padding_mask, const at::Tensor& out,
                                   const at::Tensor& lse, int64_t n_heads);
 
-// Static KV cache (B, H, max_len, hd): writes the k and v of the t new tokens of qkv (B, t, 3 * dim)
-// at positions start[b] .. start[b] + t - 1 of each sequence. Overflow past max_len is a ValueError.
+// Static KV cache (B, H, max_len, hd): writes the k and v of the real new tokens of qkv (B, t, 3 * dim),
+// the first end[b] - start[b] of sequence b, at positions start[b] .. end[b] - 1 (right padding is
+// never written). Positions are checked as by check_cache_positions.
 void kv_cache_write_cpu(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& start, int64_t n_heads);
+                        const at::Tensor& start, const at::Tensor& end, int64_t n_heads);
 
 // Attention of the t new queries in qkv (B, t, 3 * dim) against the cache: new query i of sequence
 // b attends positions j <= min(start[b] + i, end[b] - 1) (end[b]: the cache length with the new
