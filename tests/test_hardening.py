@@ -337,3 +337,51 @@ def test_raw_kernel_refuses_to_be_differentiated():
     out, _ = torch.ops.causal_attention.attention_forward(qkv, None, 2)
     with pytest.raises(RuntimeError, match="not implemented"):
         out.sum().backward()
+
+
+# ---------------------------------------------------------------------------------------------
+# Meta kernels live in the library: tracing needs only torch.ops.load_library
+
+
+def test_ops_trace_with_only_the_library_loaded(tmp_path):
+    """A user of torch.ops.load_library (no causal_attention import) compiles (fullgraph) and
+    exports code that calls every op: the Meta kernels are registered by the library itself."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import causal_attention
+
+    library = Path(causal_attention.__file__).with_name("libcausal_attention.so")
+    script = f"""
+import sys, torch
+torch.ops.load_library({str(library)!r})
+assert "causal_attention" not in sys.modules
+ops = torch.ops.causal_attention
+
+def step(qkv, mask, k, v, lengths):
+    out, lse = ops.attention_forward(qkv, ops.mask_to_bool(mask), 2)
+    end = ops.cache_end(lengths, None, qkv.shape[1], k.shape[2])
+    ops.kv_cache_write(qkv, k, v, lengths, end, 2)
+    return out, lse, ops.decode_attention(qkv, k, v, lengths, end, 2), ops.attention(qkv, None, 2)
+
+qkv = torch.randn(2, 3, 24)
+mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+args = lambda: (qkv, mask, torch.zeros(2, 2, 8, 4), torch.zeros(2, 2, 8, 4), torch.tensor([0, 2]))
+eager = step(*args())
+compiled = torch.compile(step, fullgraph=True)(*args())
+assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+class M(torch.nn.Module):
+    def forward(self, qkv, mask):
+        return ops.attention_forward(qkv, ops.mask_to_bool(mask), 2)[0]
+B = torch.export.Dim("B")
+T = torch.export.Dim("T")
+ep = torch.export.export(M(), (qkv, mask), dynamic_shapes=({{0: B, 1: T}}, {{0: B, 1: T}}))
+x = torch.randn(3, 5, 24)
+m = torch.ones(3, 5, dtype=torch.int64)
+assert torch.equal(ep.module()(x, m), M()(x, m))
+print("traced")
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().endswith("traced")

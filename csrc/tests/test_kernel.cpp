@@ -89,9 +89,48 @@ TEST(Kernel, DeterministicAcrossRuns) {
                            kernels::attention_backward_cpu(g, qkv, mask, out2, lse2, 4)));
 }
 
-TEST(Kernel, ReportsItsInstructionSet) {
-  const std::string cap = kernels::cpu_capability();
-  EXPECT_TRUE(cap == "DEFAULT" || cap == "AVX2" || cap == "AVX512") << cap;
+TEST(Kernel, ChoosesTheInstructionSetATenChose) {
+  // The tile routines follow ATen's own choice (cpuinfo capped by ATEN_CPU_CAPABILITY), so that the
+  // two never disagree on what the CPU can run.
+  const std::string aten = at::get_cpu_capability();
+  const std::string expected = aten == "AVX512" ? "AVX512" : aten == "AVX2" ? "AVX2" : "DEFAULT";
+  EXPECT_EQ(std::string(kernels::cpu_capability()), expected);
+}
+
+TEST(Kernel, HalfPrecisionProductsAccumulateInFloat32) {
+  // q = k = 0, v = 300: every weight of row t is 1/(t+1) and the output is exactly 300. A P V tile
+  // product summed in float16 overflowed (inf from query 218 on).
+  for (const auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    const int64_t T = 512, H = 2, hd = 32;
+    auto qkv = torch::zeros({1, T, 3 * H * hd}, dtype);
+    qkv.narrow(2, 2 * H * hd, H * hd).fill_(300);
+    const auto [out, lse] = kernels::attention_forward_cpu(qkv, std::nullopt, H);
+    EXPECT_TRUE(torch::equal(out, torch::full_like(out, 300))) << dtype;
+    const auto grad = kernels::attention_backward_cpu(torch::ones_like(out), qkv, std::nullopt, out, lse, H);
+    EXPECT_TRUE(torch::isfinite(grad).all().item<bool>()) << dtype;
+    // dV of key j = sum_{t >= j} 1 / (t + 1): at most H(512) ~ 6.8, exactly representable in float32.
+    const auto qkv64 = qkv.to(torch::kFloat64).requires_grad_(true);
+    kernels::attention_math(qkv64, std::nullopt, H).sum().backward();
+    const double eps = dtype == torch::kHalf ? 9.77e-4 : 7.81e-3;  // the dtype's machine epsilon
+    EXPECT_LE(max_abs_diff(grad.to(torch::kFloat64), qkv64.grad()), 2 * eps * 6.8);
+  }
+}
+
+TEST(Kernel, DecodeIsBitwiseIndependentOfTheThreadCount) {
+  torch::manual_seed(5);
+  const int64_t B = 1, H = 2, hd = 64, L = 3000, t = 2;
+  const auto qkv = torch::randn({B, t, 3 * H * hd});
+  const auto k = torch::randn({B, H, L, hd});
+  const auto v = torch::randn({B, H, L, hd});
+  const auto start = torch::tensor({int64_t{2800}});
+  const auto end = start + t;
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const auto one = kernels::decode_attention_cpu(qkv, k, v, start, end, H);
+  at::set_num_threads(3);
+  const auto three = kernels::decode_attention_cpu(qkv, k, v, start, end, H);
+  at::set_num_threads(threads);
+  EXPECT_TRUE(torch::equal(one, three));
 }
 
 TEST(Kernel, RejectsBadInputs) {

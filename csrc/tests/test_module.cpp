@@ -243,4 +243,37 @@ TEST(KVCache, OverflowAndMisuseAreClearErrors) {
             std::string::npos);
 }
 
+TEST(KVCache, GuardCoversEveryParameterAndTheInput) {
+  // BitFit-style: qkv.weight frozen, qkv.bias trainable. The guard used to look at qkv.weight only.
+  CausalSelfAttention attn(16, 2);
+  for (auto& p : attn->parameters()) {
+    p.requires_grad_(false);
+  }
+  attn->qkv->bias.requires_grad_(true);
+  auto cache = attn->make_cache(1, 4);
+  const auto msg = error_of([&] { attn->forward(torch::randn({1, 1, 16}), std::nullopt, cache); });
+  EXPECT_NE(msg.find("parameter qkv.bias requires grad"), std::string::npos) << msg;
+  attn->qkv->bias.requires_grad_(false);
+  const auto x = torch::randn({1, 1, 16}).requires_grad_(true);
+  EXPECT_NE(error_of([&] { attn->forward(x, std::nullopt, cache); }).find("x requires grad"), std::string::npos);
+  EXPECT_EQ(cache.lengths.item<int64_t>(), 0);
+}
+
+TEST(KVCache, CapacityIsJudgedPerSequenceByItsRealTokens) {
+  torch::manual_seed(2);
+  CausalSelfAttention attn(16, 2);
+  auto cache = attn->make_cache(2, 4);
+  torch::NoGradGuard no_grad;
+  const auto x = torch::randn({2, 4, 16});
+  attn->forward(x, torch::tensor({{true, true, true, true}, {true, false, false, false}}), cache);
+  const auto k0 = cache.k[0].clone();
+  // Sequence 0 is full and gets no real token: it is left untouched; sequence 1 grows.
+  attn->forward(x.narrow(1, 1, 1), torch::tensor({{false}, {true}}), cache);
+  EXPECT_EQ(cache.lengths[0].item<int64_t>(), 4);
+  EXPECT_EQ(cache.lengths[1].item<int64_t>(), 2);
+  EXPECT_TRUE(torch::equal(cache.k[0], k0));
+  const auto msg = error_of([&] { attn->forward(x.narrow(1, 0, 1), std::nullopt, cache); });
+  EXPECT_NE(msg.find("sequence 0 holds 4 tokens and 1 more do not fit"), std::string::npos) << msg;
+}
+
 }  // namespace
