@@ -5,6 +5,7 @@
     out = attn(x, key_padding_mask)   # x (B, T, 768); key_padding_mask (B, T), True = real token
 """
 
+from ._paths import cmake_prefix_path as cmake_prefix_path
 from .cache import KVCache
 from .module import CausalSelfAttention
 
