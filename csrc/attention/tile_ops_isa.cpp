@@ -25,7 +25,8 @@ template <typename acc_t>
 constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
 
 // bfloat16 and half are widened to float32 in registers, W = Vec<float>::size() values at a time
-// (at::vec: vcvtph2ps / a shift on AVX2 and AVX512, a scalar loop in the DEFAULT build).
+// (at::vec: vcvtph2ps / a shift on AVX2 and AVX512, a scalar loop in the DEFAULT build), and
+// narrowed back with round to nearest even, as static_cast does.
 template <typename scalar_t>
 constexpr bool kReduced = c10::is_reduced_floating_point_v<scalar_t>;
 
@@ -34,6 +35,16 @@ inline Vec<float> load_widened(const scalar_t* src) {  // W values
   Vec<float> out;
   at::vec::load_to_float(src, out);
   return out;
+}
+
+template <typename scalar_t>
+inline void store_narrowed(const Vec<float>& x, scalar_t* dst) {  // W values
+  at::vec::convert_from_float<scalar_t>(x, x).store(dst, Vec<float>::size());
+}
+
+template <typename scalar_t>
+inline void store_narrowed(const Vec<float>& lo, const Vec<float>& hi, scalar_t* dst) {  // 2W values
+  at::vec::convert_from_float<scalar_t>(lo, hi).store(dst);
 }
 
 // dst[j] = scale * src[j] for j < n.
@@ -50,7 +61,15 @@ inline void load_scaled(const scalar_t* src, int64_t n, acc_t scale, acc_t* dst)
       dst[j] = src[j] * scale;
     }
   } else {
-    for (int64_t j = 0; j < n; ++j) {
+    int64_t j = 0;
+    if constexpr (kReduced<scalar_t>) {
+      constexpr int64_t W = Vec<float>::size();
+      const Vec<float> vscale(scale);
+      for (; j + W <= n; j += W) {
+        (load_widened(src + j) * vscale).store(dst + j);
+      }
+    }
+    for (; j < n; ++j) {
       dst[j] = static_cast<acc_t>(src[j]) * scale;
     }
   }
@@ -59,7 +78,17 @@ inline void load_scaled(const scalar_t* src, int64_t n, acc_t scale, acc_t* dst)
 // dst[j] = src[j] for j < n, converted; dst[j] = 0 for n <= j < cols.
 template <typename scalar_t, typename acc_t>
 inline void store_row(const acc_t* src, int64_t n, int64_t cols, scalar_t* dst) {
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+  if constexpr (kReduced<scalar_t>) {
+    constexpr int64_t W = Vec<float>::size();
+    for (; j + 2 * W <= n; j += 2 * W) {
+      store_narrowed(Vec<float>::loadu(src + j), Vec<float>::loadu(src + j + W), dst + j);
+    }
+    for (; j + W <= n; j += W) {
+      store_narrowed(Vec<float>::loadu(src + j), dst + j);
+    }
+  }
+  for (; j < n; ++j) {
     dst[j] = static_cast<scalar_t>(src[j]);
   }
   std::fill(dst + n, dst + cols, scalar_t(0));
@@ -162,7 +191,15 @@ void rescale_add(acc_t* acc, int64_t ld_acc, const scalar_t* x, int64_t ld_x, in
     acc_t* a = acc + i * ld_acc;
     const scalar_t* xi = x + i * ld_x;
     const acc_t f = alpha[i];
-    for (int64_t j = 0; j < cols; ++j) {
+    int64_t j = 0;
+    if constexpr (kReduced<scalar_t>) {  // a[j] * f + x[j] in one fused multiply-add
+      constexpr int64_t W = Vec<float>::size();
+      const Vec<float> vf(f);
+      for (; j + W <= cols; j += W) {
+        at::vec::fmadd(Vec<float>::loadu(a + j), vf, load_widened(xi + j)).store(a + j);
+      }
+    }
+    for (; j < cols; ++j) {
       a[j] = a[j] * f + static_cast<acc_t>(xi[j]);
     }
   }
@@ -173,7 +210,14 @@ void add(acc_t* acc, int64_t ld_acc, const scalar_t* x, int64_t ld_x, int64_t ro
   for (int64_t i = 0; i < rows; ++i) {
     acc_t* a = acc + i * ld_acc;
     const scalar_t* xi = x + i * ld_x;
-    for (int64_t j = 0; j < cols; ++j) {
+    int64_t j = 0;
+    if constexpr (kReduced<scalar_t>) {
+      constexpr int64_t W = Vec<float>::size();
+      for (; j + W <= cols; j += W) {
+        (Vec<float>::loadu(a + j) + load_widened(xi + j)).store(a + j);
+      }
+    }
+    for (; j < cols; ++j) {
       a[j] += static_cast<acc_t>(xi[j]);
     }
   }
@@ -191,7 +235,18 @@ void finalize(const acc_t* acc, int64_t ld_acc, int64_t rows, int64_t cols, cons
     }
     const acc_t inv = acc_t(1) / l[i];
     const acc_t* a = acc + i * ld_acc;
-    for (int64_t j = 0; j < cols; ++j) {
+    int64_t j = 0;
+    if constexpr (kReduced<scalar_t>) {
+      constexpr int64_t W = Vec<float>::size();
+      const Vec<float> vinv(inv);
+      for (; j + 2 * W <= cols; j += 2 * W) {
+        store_narrowed(Vec<float>::loadu(a + j) * vinv, Vec<float>::loadu(a + j + W) * vinv, o + j);
+      }
+      for (; j + W <= cols; j += W) {
+        store_narrowed(Vec<float>::loadu(a + j) * vinv, o + j);
+      }
+    }
+    for (; j < cols; ++j) {
       o[j] = static_cast<scalar_t>(a[j] * inv);
     }
     lse[i] = m[i] + std::log(l[i]);
@@ -203,6 +258,10 @@ void store(const acc_t* acc, int64_t ld_acc, int64_t rows, int64_t cols, scalar_
   for (int64_t i = 0; i < rows; ++i) {
     const acc_t* a = acc + i * ld_acc;
     scalar_t* o = out + i * ld_out;
+    if constexpr (kReduced<scalar_t>) {
+      store_row(a, cols, cols, o);
+      continue;
+    }
     for (int64_t j = 0; j < cols; ++j) {
       o[j] = static_cast<scalar_t>(a[j]);
     }
