@@ -24,6 +24,29 @@ using Vec = at::vec::Vectorized<acc_t>;
 template <typename acc_t>
 constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
 
+// bfloat16 and half are widened to float32 in registers, W = Vec<float>::size() values at a time
+// (at::vec: vcvtph2ps / a shift on AVX2 and AVX512, a scalar loop in the DEFAULT build), and
+// narrowed back with round to nearest even, as static_cast does.
+template <typename scalar_t>
+constexpr bool kReduced = c10::is_reduced_floating_point_v<scalar_t>;
+
+template <typename scalar_t>
+inline Vec<float> load_widened(const scalar_t* src) {  // W values
+  Vec<float> out;
+  at::vec::load_to_float(src, out);
+  return out;
+}
+
+template <typename scalar_t>
+inline void store_narrowed(const Vec<float>& x, scalar_t* dst) {  // W values
+  at::vec::convert_from_float<scalar_t>(x, x).store(dst, Vec<float>::size());
+}
+
+template <typename scalar_t>
+inline void store_narrowed(const Vec<float>& lo, const Vec<float>& hi, scalar_t* dst) {  // 2W values
+  at::vec::convert_from_float<scalar_t>(lo, hi).store(dst);
+}
+
 // dst[j] = scale * src[j] for j < n.
 template <typename scalar_t, typename acc_t>
 inline void load_scaled(const scalar_t* src, int64_t n, acc_t scale, acc_t* dst) {
@@ -38,7 +61,15 @@ inline void load_scaled(const scalar_t* src, int64_t n, acc_t scale, acc_t* dst)
       dst[j] = src[j] * scale;
     }
   } else {
-    for (int64_t j = 0; j < n; ++j) {
+    int64_t j = 0;
+    if constexpr (kReduced<scalar_t>) {
+      constexpr int64_t W = Vec<float>::size();
+      const Vec<float> vscale(scale);
+      for (; j + W <= n; j += W) {
+        (load_widened(src + j) * vscale).store(dst + j);
+      }
+    }
+    for (; j < n; ++j) {
       dst[j] = static_cast<acc_t>(src[j]) * scale;
     }
   }
@@ -47,7 +78,17 @@ inline void load_scaled(const scalar_t* src, int64_t n, acc_t scale, acc_t* dst)
 // dst[j] = src[j] for j < n, converted; dst[j] = 0 for n <= j < cols.
 template <typename scalar_t, typename acc_t>
 inline void store_row(const acc_t* src, int64_t n, int64_t cols, scalar_t* dst) {
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+  if constexpr (kReduced<scalar_t>) {
+    constexpr int64_t W = Vec<float>::size();
+    for (; j + 2 * W <= n; j += 2 * W) {
+      store_narrowed(Vec<float>::loadu(src + j), Vec<float>::loadu(src + j + W), dst + j);
+    }
+    for (; j + W <= n; j += W) {
+      store_narrowed(Vec<float>::loadu(src + j), dst + j);
+    }
+  }
+  for (; j < n; ++j) {
     dst[j] = static_cast<scalar_t>(src[j]);
   }
   std::fill(dst + n, dst + cols, scalar_t(0));
@@ -150,7 +191,15 @@ void rescale_add(acc_t* acc, int64_t ld_acc, const scalar_t* x, int64_t ld_x, in
     acc_t* a = acc + i * ld_acc;
     const scalar_t* xi = x + i * ld_x;
     const acc_t f = alpha[i];
-    for (int64_t j = 0; j < cols; ++j) {
+    int64_t j = 0;
+    if constexpr (kReduced<scalar_t>) {  // a[j] * f + x[j] in one fused multiply-add
+      constexpr int64_t W = Vec<float>::size();
+      const Vec<float> vf(f);
+      for (; j + W <= cols; j += W) {
+        at::vec::fmadd(Vec<float>::loadu(a + j), vf, load_widened(xi + j)).store(a + j);
+      }
+    }
+    for (; j < cols; ++j) {
       a[j] = a[j] * f + static_cast<acc_t>(xi[j]);
     }
   }
@@ -161,7 +210,14 @@ void add(acc_t* acc, int64_t ld_acc, const scalar_t* x, int64_t ld_x, int64_t ro
   for (int64_t i = 0; i < rows; ++i) {
     acc_t* a = acc + i * ld_acc;
     const scalar_t* xi = x + i * ld_x;
-    for (int64_t j = 0; j < cols; ++j) {
+    int64_t j = 0;
+    if constexpr (kReduced<scalar_t>) {
+      constexpr int64_t W = Vec<float>::size();
+      for (; j + W <= cols; j += W) {
+        (Vec<float>::loadu(a + j) + load_widened(xi + j)).store(a + j);
+      }
+    }
+    for (; j < cols; ++j) {
       a[j] += static_cast<acc_t>(xi[j]);
     }
   }
@@ -179,7 +235,18 @@ void finalize(const acc_t* acc, int64_t ld_acc, int64_t rows, int64_t cols, cons
     }
     const acc_t inv = acc_t(1) / l[i];
     const acc_t* a = acc + i * ld_acc;
-    for (int64_t j = 0; j < cols; ++j) {
+    int64_t j = 0;
+    if constexpr (kReduced<scalar_t>) {
+      constexpr int64_t W = Vec<float>::size();
+      const Vec<float> vinv(inv);
+      for (; j + 2 * W <= cols; j += 2 * W) {
+        store_narrowed(Vec<float>::loadu(a + j) * vinv, Vec<float>::loadu(a + j + W) * vinv, o + j);
+      }
+      for (; j + W <= cols; j += W) {
+        store_narrowed(Vec<float>::loadu(a + j) * vinv, o + j);
+      }
+    }
+    for (; j < cols; ++j) {
       o[j] = static_cast<scalar_t>(a[j] * inv);
     }
     lse[i] = m[i] + std::log(l[i]);
@@ -191,6 +258,10 @@ void store(const acc_t* acc, int64_t ld_acc, int64_t rows, int64_t cols, scalar_
   for (int64_t i = 0; i < rows; ++i) {
     const acc_t* a = acc + i * ld_acc;
     scalar_t* o = out + i * ld_out;
+    if constexpr (kReduced<scalar_t>) {
+      store_row(a, cols, cols, o);
+      continue;
+    }
     for (int64_t j = 0; j < cols; ++j) {
       o[j] = static_cast<scalar_t>(a[j]);
     }
@@ -259,65 +330,96 @@ void round_to_input([[maybe_unused]] acc_t* x, [[maybe_unused]] int64_t ld, [[ma
   }
 }
 
-// sum_d a[d] * b[d], a in acc_t, b in scalar_t.
-template <typename scalar_t, typename acc_t>
-inline acc_t dot(const acc_t* a, const scalar_t* b, int64_t hd) {
-  int64_t d = 0;
-  acc_t sum = 0;
+// W values of src as acc_t: a plain load, or bfloat16/half widened to float32.
+template <typename acc_t, typename scalar_t>
+inline Vec<acc_t> load_acc(const scalar_t* src) {
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return Vec<acc_t>::loadu(src);
+  } else {
+    static_assert(kReduced<scalar_t> && std::is_same_v<acc_t, float>);
+    return load_widened(src);
+  }
+}
+
+// s[r] = sum_d a[d] * b[r * ld + d] for r < R: a (acc_t) is read once for R rows of b (scalar_t;
+// bfloat16/half widened in registers). Each row sums its products in W lanes of acc_t (float32 for
+// bfloat16/half), then across the lanes; a scalar tail past the last whole vector.
+template <int R, typename scalar_t, typename acc_t>
+inline void dot_rows(const acc_t* a, const scalar_t* b, int64_t ld, int64_t hd, acc_t* s) {
+  int64_t d = 0;
+  acc_t sum[R] = {};
+  if constexpr (std::is_same_v<scalar_t, acc_t> || kReduced<scalar_t>) {
     constexpr int64_t W = Vec<acc_t>::size();
-    Vec<acc_t> acc0(0), acc1(0);
-    for (; d + 2 * W <= hd; d += 2 * W) {
-      acc0 = at::vec::fmadd(Vec<acc_t>::loadu(a + d), Vec<acc_t>::loadu(b + d), acc0);
-      acc1 = at::vec::fmadd(Vec<acc_t>::loadu(a + d + W), Vec<acc_t>::loadu(b + d + W), acc1);
-    }
-    for (; d + W <= hd; d += W) {
-      acc0 = at::vec::fmadd(Vec<acc_t>::loadu(a + d), Vec<acc_t>::loadu(b + d), acc0);
-    }
-    acc_t lanes[W];
-    (acc0 + acc1).store(lanes);
-    for (int64_t w = 0; w < W; ++w) {
-      sum += lanes[w];
+    if (hd >= W) {
+      Vec<acc_t> acc[R];
+      for (int r = 0; r < R; ++r) {
+        acc[r] = Vec<acc_t>(0);
+      }
+      for (; d + W <= hd; d += W) {
+        const Vec<acc_t> va = Vec<acc_t>::loadu(a + d);
+        for (int r = 0; r < R; ++r) {
+          acc[r] = at::vec::fmadd(va, load_acc<acc_t>(b + r * ld + d), acc[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        sum[r] = at::vec::vec_reduce_all<acc_t>(std::plus<Vec<acc_t>>(), acc[r]);
+      }
     }
   }
   for (; d < hd; ++d) {
-    sum += a[d] * static_cast<acc_t>(b[d]);
+    for (int r = 0; r < R; ++r) {
+      sum[r] += a[d] * static_cast<acc_t>(b[r * ld + d]);
+    }
   }
-  return sum;
+  for (int r = 0; r < R; ++r) {
+    s[r] = sum[r];
+  }
 }
 
-// o[d] = o[d] * alpha + sum_j p[j] * v[j * ld + d]; for float, 4 vectors of o stay in registers
-// while the value rows stream past once.
+// o[u * W + w] = o[.] * alpha + sum_j p[j] * v[j * ld + u * W + w] for u < U: U vectors of o stay in
+// registers while the n value rows stream past once (bfloat16/half widened in registers).
+template <int U, typename scalar_t, typename acc_t>
+inline void weighted_block(const acc_t* p, const scalar_t* v, int64_t ld, int64_t n, acc_t alpha, acc_t* o) {
+  constexpr int64_t W = Vec<acc_t>::size();
+  const Vec<acc_t> valpha(alpha);
+  Vec<acc_t> acc[U];
+  for (int u = 0; u < U; ++u) {
+    acc[u] = Vec<acc_t>::loadu(o + u * W) * valpha;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const Vec<acc_t> pj(p[j]);
+    const scalar_t* row = v + j * ld;
+    for (int u = 0; u < U; ++u) {
+      acc[u] = at::vec::fmadd(pj, load_acc<acc_t>(row + u * W), acc[u]);
+    }
+  }
+  for (int u = 0; u < U; ++u) {
+    acc[u].store(o + u * W);
+  }
+}
+
+// o[d] = o[d] * alpha + sum_j p[j] * v[j * ld + d]: blocks of up to 8 vectors of o (hd = 64 is one
+// block on AVX2 and AVX512), so each value row is read once per query; a scalar tail past them.
+// Each o[d] sums its products in the order of j whatever the block size.
 template <typename scalar_t, typename acc_t>
 inline void weighted_rows(const acc_t* p, const scalar_t* v, int64_t ld, int64_t n, int64_t hd, acc_t alpha, acc_t* o) {
   int64_t d0 = 0;
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+  if constexpr (std::is_same_v<scalar_t, acc_t> || kReduced<scalar_t>) {
     constexpr int64_t W = Vec<acc_t>::size();
-    const Vec<acc_t> valpha(alpha);
-    for (; d0 + 4 * W <= hd; d0 += 4 * W) {
-      Vec<acc_t> a0 = Vec<acc_t>::loadu(o + d0) * valpha;
-      Vec<acc_t> a1 = Vec<acc_t>::loadu(o + d0 + W) * valpha;
-      Vec<acc_t> a2 = Vec<acc_t>::loadu(o + d0 + 2 * W) * valpha;
-      Vec<acc_t> a3 = Vec<acc_t>::loadu(o + d0 + 3 * W) * valpha;
-      for (int64_t j = 0; j < n; ++j) {
-        const Vec<acc_t> pj(p[j]);
-        const scalar_t* row = v + j * ld + d0;
-        a0 = at::vec::fmadd(pj, Vec<acc_t>::loadu(row), a0);
-        a1 = at::vec::fmadd(pj, Vec<acc_t>::loadu(row + W), a1);
-        a2 = at::vec::fmadd(pj, Vec<acc_t>::loadu(row + 2 * W), a2);
-        a3 = at::vec::fmadd(pj, Vec<acc_t>::loadu(row + 3 * W), a3);
-      }
-      a0.store(o + d0);
-      a1.store(o + d0 + W);
-      a2.store(o + d0 + 2 * W);
-      a3.store(o + d0 + 3 * W);
+    for (; d0 + 8 * W <= hd; d0 += 8 * W) {
+      weighted_block<8>(p, v + d0, ld, n, alpha, o + d0);
     }
-    for (; d0 + W <= hd; d0 += W) {
-      Vec<acc_t> acc = Vec<acc_t>::loadu(o + d0) * valpha;
-      for (int64_t j = 0; j < n; ++j) {
-        acc = at::vec::fmadd(Vec<acc_t>(p[j]), Vec<acc_t>::loadu(v + j * ld + d0), acc);
-      }
-      acc.store(o + d0);
+    if (d0 + 4 * W <= hd) {
+      weighted_block<4>(p, v + d0, ld, n, alpha, o + d0);
+      d0 += 4 * W;
+    }
+    if (d0 + 2 * W <= hd) {
+      weighted_block<2>(p, v + d0, ld, n, alpha, o + d0);
+      d0 += 2 * W;
+    }
+    if (d0 + W <= hd) {
+      weighted_block<1>(p, v + d0, ld, n, alpha, o + d0);
+      d0 += W;
     }
   }
   for (int64_t d = d0; d < hd; ++d) {
@@ -337,8 +439,13 @@ void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_
     if (visible == 0) {
       continue;
     }
-    for (int64_t j = 0; j < visible; ++j) {
-      buf[j] = dot(q + i * hd, k + j * ld, hd);
+    constexpr int kKeys = 8;  // keys per pass over the query row
+    int64_t j = 0;
+    for (; j + kKeys <= visible; j += kKeys) {
+      dot_rows<kKeys>(q + i * hd, k + j * ld, ld, hd, buf + j);
+    }
+    for (; j < visible; ++j) {
+      dot_rows<1>(q + i * hd, k + j * ld, ld, hd, buf + j);
     }
     const acc_t m_new = std::max(m[i], scale * max_of(buf, visible));
     const acc_t alpha = std::exp(m[i] - m_new);  // 0 when m[i] = -inf
