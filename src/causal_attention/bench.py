@@ -29,6 +29,7 @@ from rich.progress import Progress
 from rich.table import Table
 from torch import Tensor, nn
 
+from . import _ops
 from .module import CausalSelfAttention
 from .reference import attention_core
 from .timing import interleaved_medians
@@ -123,7 +124,7 @@ def _kernel_impls(T: int, H: int, hd: int, mask: Tensor | None) -> dict[str, Cal
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     combined = causal[None, None] if mask is None else (causal & mask[:, None, :])[:, None]  # (B|1, 1, T, T)
     impls: dict[str, Callable[[Tensor], Tensor]] = {
-        "ours": lambda qkv: torch.ops.causal_attention.attention_forward(qkv, mask, H)[0],
+        "ours": lambda qkv: _ops.attention(qkv, mask, H),
         "sdpa(bool mask)": lambda qkv: join(F.scaled_dot_product_attention(*split(qkv), attn_mask=combined)),
     }
     if mask is None:
