@@ -45,8 +45,9 @@ test-py: install
 test: test-cpp test-py
 
 # A fixed seed: the same 10,000 examples every run; prints the count, failures and worst errors.
+FUZZ_THREADS ?= 1
 fuzz: install
-	$(PY) tests/fuzz_main.py --examples 10000
+	$(PY) tests/fuzz_main.py --examples 10000 --threads $(FUZZ_THREADS)
 
 demo: install
 	$(PY) -m causal_attention demo

@@ -29,7 +29,8 @@ gradient with respect to x and the qkv projection; no output or gradient may be 
 
 Profiles: ``CA_FUZZ_PROFILE=ci`` (default, ``make test``): a fixed, derandomized set of examples
 (FUZZ_EXAMPLES per dtype below). ``CA_FUZZ_PROFILE=fuzz`` (``make fuzz``, tests/fuzz_main.py):
-CA_FUZZ_EXAMPLES examples from the seed CA_FUZZ_SEED, with a progress bar; failing examples are
+CA_FUZZ_EXAMPLES examples from the seed CA_FUZZ_SEED on CA_FUZZ_THREADS torch threads (default:
+conftest's 2), with a progress bar; failing examples are
 counted and listed (each with all its drawn parameters) instead of stopping the run, and the
 count, failures and worst errors are written to CA_FUZZ_REPORT as JSON. The tensor values of every
 example also depend on CA_TEST_SEED, like every other test (conftest.py).
@@ -197,11 +198,14 @@ def _run_profile(test: str, dtype: torch.dtype, strategy: st.SearchStrategy,
             raise AssertionError(f"{case}:\n  " + "\n  ".join(problems))
 
     run = settings(settings.get_profile(PROFILE), max_examples=n)(given(strategy)(example))
+    threads = torch.get_num_threads()
     if PROFILE == "fuzz":
         run = seed(int(os.environ.get("CA_FUZZ_SEED", "0")) ^ zlib.crc32(name.encode()))(run)
+        torch.set_num_threads(int(os.environ.get("CA_FUZZ_THREADS", str(threads))))
     try:
         run()
     finally:
+        torch.set_num_threads(threads)
         if progress is not None:
             progress.close()
         _write_report()
