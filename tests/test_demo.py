@@ -14,7 +14,18 @@ from conftest import BASE_SEED
 TIMES = ("train_seconds", "train_tokens_per_s", "tokens_per_s_cache", "tokens_per_s_nocache")
 
 
-def test_demo_learns_and_a_saved_model_gives_the_same_answers(tmp_path):
+@pytest.fixture
+def one_thread():
+    """The demo's model is small: on a busy 2-core machine two threads can make each of its ops
+    wait a scheduler tick (a 60-step run took 140 s instead of 12 s). Results are deterministic
+    for a given thread count, so the thread count is fixed here."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_demo_learns_and_a_saved_model_gives_the_same_answers(tmp_path, one_thread):
     """60 steps are enough to answer some held-out problems exactly (an untrained model answers none:
     each is a reversal of 1 to 12 digits); the saved model reproduces the trained model's answers,
     and --load answers new problems with it."""
@@ -41,7 +52,7 @@ def test_demo_learns_and_a_saved_model_gives_the_same_answers(tmp_path):
     assert not (tmp_path / "unused").exists()  # --load trains nothing and writes nothing
 
 
-def test_demo_is_deterministic(tmp_path):
+def test_demo_is_deterministic(tmp_path, one_thread):
     """Same seed, same model file and metrics (times aside)."""
     runs = [demo.main(steps=6, seed=11 + BASE_SEED, out=tmp_path / name, load=None, n_eval=8) for name in "ab"]
     a, b = ({k: v for k, v in run.items() if k not in TIMES} for run in runs)
