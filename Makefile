@@ -1,5 +1,6 @@
 # make test : set up everything on a fresh machine, then run the C++ and Python tests.
 # make demo : set up, then run the main job (python -m causal_attention demo).
+# make fuzz : set up, then 10,000 property-based examples against the float64 reference (tests/fuzz_main.py).
 SHELL := /bin/bash
 PY    := .venv/bin/python
 PIP   := $(PY) -m pip
@@ -8,7 +9,7 @@ export OMP_NUM_THREADS ?= 2
 
 CMAKE_DEFINES := -C cmake.define.CA_BUILD_TESTS=ON -C cmake.define.CA_BUILD_BENCHMARKS=ON
 
-.PHONY: all setup install test test-cpp test-py demo bench sanitize clean
+.PHONY: all setup install test test-cpp test-py fuzz demo bench sanitize clean
 
 all: test
 
@@ -42,6 +43,11 @@ test-py: install
 	$(PY) -m pytest tests
 
 test: test-cpp test-py
+
+# A fixed seed: the same 10,000 examples every run; prints the count, failures and worst errors.
+FUZZ_THREADS ?= 1
+fuzz: install
+	$(PY) tests/fuzz_main.py --examples 10000 --threads $(FUZZ_THREADS)
 
 demo: install
 	$(PY) -m causal_attention demo

@@ -1,15 +1,28 @@
 """``python -m causal_attention bench``: the fused kernel and the module against PyTorch's own.
 
 Everything runs in this process, interleaved (round-robin, rotated), and is reported as medians;
-the machines are noisy, so ratios within one run are the result, not absolute times. Work is
-counted as causal FLOPs (DESIGN.md section 3): forward 2*B*H*T^2*hd, backward 2.5x that, plus
-8*B*T*dim^2 for the module's projections. The ceiling is a large torch.mm timed in the same run.
+the machines are noisy, so ratios within one run are the result, not absolute times.
+
+Counting the work (every implementation is credited with the same useful FLOPs, whatever it
+actually computes, so GFLOP/s compare like with like):
+- attention forward, causal: 2*B*H*T^2*hd, half of the 4*B*H*T^2*hd of a full T x T attention
+  (q k^T and P v are 2*T^2*hd each per head; causality keeps half of them); padding does not
+  reduce the count;
+- attention backward: 2.5x the forward (five T x T products instead of two);
+- the module adds its projections, 8*B*T*dim^2 forward (qkv: 6*B*T*dim^2, proj: 2*B*T*dim^2);
+- the ceiling is a large n x n torch.mm (2*n^3 FLOPs; n up to 2048, see mm_ceiling) at the same
+  dtype, timed in the same run; a row's "of mm" is its forward GFLOP/s over that;
+- decode moves bytes, not FLOPs: a step reads the K and V of its context once, 2*B*H*ctx*hd
+  elements; its GB/s is over a copy of as many float32 bytes (read + write) timed with it.
 
 Rows:
 - kernel: the attention core from a qkv tensor (B, T, 3*dim): ours; F.scaled_dot_product_attention
   with is_causal=True (no padding only) and with the combined (B, 1, T, T) bool mask; the reference.
 - module: the whole layer: ours; nn.MultiheadAttention (need_weights=False) with the same masks.
 - memory: extra peak memory (resident set) of the kernel's forward+backward, in a fresh process.
+- generation: one decode step (the whole layer, and the attention op alone) in float32, bfloat16
+  and float16, timed in one interleaved group, with each half-precision time against float32's;
+  then a tiny GPT generating with the KV cache and without it.
 """
 
 from __future__ import annotations
@@ -18,6 +31,7 @@ import json
 import resource
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -30,6 +44,7 @@ from rich.table import Table
 from torch import Tensor, nn
 
 from . import _ops
+from .cache import KVCache
 from .module import CausalSelfAttention
 from .reference import attention_core
 from .timing import interleaved_medians
@@ -62,6 +77,7 @@ class Report:
     threads: int
     capability: str
     mm_gflops: dict[str, float]  # per dtype
+    mm_n: dict[str, int]  # the size of the product that measured it
     copy_gbs: float
     rows: list[Row] = field(default_factory=list)
     memory: list[dict[str, float]] = field(default_factory=list)
@@ -69,11 +85,20 @@ class Report:
     skipped: list[str] = field(default_factory=list)
 
 
-def mm_ceiling(dtype: torch.dtype, repeats: int = 5) -> float:
-    """GFLOP/s of a large torch.mm at dtype, in this process."""
-    n = 2048
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / interleaved_medians({"mm": lambda: torch.mm(a, b)}, repeats=repeats)["mm"] / 1e9
+def mm_ceiling(dtype: torch.dtype, repeats: int = 5, *, max_n: int = 2048, enough_s: float = 0.2) -> tuple[float, int]:
+    """(GFLOP/s, n) of a large n x n torch.mm at dtype, in this process: n doubles from 256 until
+    one product takes enough_s or n reaches max_n (torch's bfloat16 mm without AVX512-BF16 runs
+    at well under 1 GFLOP/s, where a 2048 product takes minutes and a 512 one is large enough)."""
+    n = 256
+    while True:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if n >= max_n or time.perf_counter() - start >= enough_s:
+            break
+        n *= 2
+    seconds = interleaved_medians({"mm": lambda: torch.mm(a, b)}, repeats=repeats)["mm"]
+    return 2 * n**3 / seconds / 1e9, n
 
 
 def copy_ceiling(repeats: int = 5) -> float:
@@ -150,59 +175,81 @@ def _module_impls(T: int, dim: int, H: int, mask: Tensor | None, dtype: torch.dt
     return impls
 
 
-def decode_rows(*, repeats: int = 9) -> list[dict[str, float | str]]:
-    """A single-token decode step at B=8, context 2048, dim 768, 12 heads (float32): the layer and
-    its attention op alone, with the bytes of K and V read per second against a copy of the same
-    size (read + write bytes per second) timed interleaved with them; then a tiny
-    GPT generating at context ~1024 with the KV cache and without it (recomputing the prefix)."""
+DECODE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def decode_rows(*, B: int = 8, ctx: int = 2048, dim: int = 768, H: int = 12,
+                dtypes: tuple[torch.dtype, ...] = DECODE_DTYPES, repeats: int = 9) -> list[dict[str, float | str]]:
+    """A single-token decode step at B, context ctx, dim, H heads in each of dtypes (float32 first):
+    the layer and its attention op alone, all timed in one interleaved group with a copy of as many
+    bytes as the float32 K and V hold (the bandwidth ceiling, read + write bytes per second); each
+    row reports the bytes of K and V read per second and its speed against float32's (vs_f32 =
+    float32 time / this time). Then a tiny GPT (4 layers of width min(256, dim)) generating from
+    prompts of about ctx/2 tokens with the KV cache and without it (recomputing the prefix)."""
     from .gpt import GPTConfig, TinyGPT
 
+    if dtypes[0] != torch.float32:
+        raise ValueError(f"decode_rows: the first dtype must be float32 (the baseline); got {dtypes}")
     rows: list[dict[str, float | str]] = []
-    B, ctx, dim, H = 8, 2048, 768, 12
     hd = dim // H
-    attn = CausalSelfAttention(dim, H)
-    cache = attn.make_cache(B, ctx + 1)
-    with torch.no_grad():
-        cache.k.normal_()
-        cache.v.normal_()
-        cache.lengths.fill_(ctx - 1)  # the step's token is the ctx-th: it reads ctx keys
-        x = torch.randn(B, 1, dim)
-        qkv = attn.qkv(x)
+    fns: dict[str, Callable[[], object]] = {}
+    for dtype in dtypes:
+        attn = CausalSelfAttention(dim, H, dtype=dtype)
+        cache = attn.make_cache(B, ctx + 1)
+        with torch.no_grad():
+            cache.k.normal_()
+            cache.v.normal_()
+            cache.lengths.fill_(ctx - 1)  # the step's token is the ctx-th: it reads ctx keys
+            x = torch.randn(B, 1, dim, dtype=dtype)
+            qkv = attn.qkv(x)
         start = cache.lengths.clone()
         end = start + 1
 
-        def layer_step() -> None:
+        def layer_step(attn: CausalSelfAttention = attn, cache: KVCache = cache, x: Tensor = x,
+                       start: Tensor = start) -> None:
             cache.lengths.copy_(start)
             attn(x, cache=cache)
 
-        def attention_op() -> None:
+        def attention_op(qkv: Tensor = qkv, cache: KVCache = cache, start: Tensor = start, end: Tensor = end) -> None:
             torch.ops.causal_attention.decode_attention(qkv, cache.k, cache.v, start, end, H)
 
-        # The ceiling, interleaved with them: a copy of as many bytes as K and V hold.
-        src, dst = torch.randn(2 * B * H * ctx * hd), torch.empty(2 * B * H * ctx * hd)
-        t = interleaved_medians({"layer": layer_step, "op": attention_op, "copy": lambda: dst.copy_(src)},
-                                repeats=repeats, warmup=2)
-    kv_bytes = 2 * B * H * ctx * hd * 4
-    copy_gbs = 2 * kv_bytes / t["copy"] / 1e9  # read + write
-    for name, label in (("layer", "decode step: whole layer"), ("op", "decode step: attention op")):
-        gbs = kv_bytes / t[name] / 1e9
-        rows.append({"row": label, "ms": t[name] * 1e3, "kv_GB_per_s": gbs, "of_copy": gbs / copy_gbs,
-                     "copy_GB_per_s": copy_gbs, "shape": f"B={B} ctx={ctx} dim={dim} H={H} float32"})
+        fns[f"layer {_name(dtype)}"] = layer_step
+        fns[f"op {_name(dtype)}"] = attention_op
+    # The ceiling, interleaved with them: a copy of as many bytes as the float32 K and V hold.
+    src, dst = torch.randn(2 * B * H * ctx * hd), torch.empty(2 * B * H * ctx * hd)
+    fns["copy"] = lambda: dst.copy_(src)
+    with torch.no_grad():
+        t = interleaved_medians(fns, repeats=repeats, warmup=2)
+    copy_gbs = 2 * src.numel() * 4 / t["copy"] / 1e9  # read + write
+    for kind, label in (("layer", "decode step: whole layer"), ("op", "decode step: attention op")):
+        for dtype in dtypes:
+            kv_bytes = 2 * B * H * ctx * hd * dtype.itemsize
+            ms = t[f"{kind} {_name(dtype)}"]
+            gbs = kv_bytes / ms / 1e9
+            rows.append({"row": label, "dtype": _name(dtype), "ms": ms * 1e3, "kv_GB_per_s": gbs,
+                         "of_copy": gbs / copy_gbs, "copy_GB_per_s": copy_gbs,
+                         "vs_f32": t[f"{kind} float32"] / ms, "shape": f"B={B} ctx={ctx} dim={dim} H={H}"})
 
     torch.manual_seed(0)
-    model = TinyGPT(GPTConfig(vocab_size=256, max_len=1100, dim=256, n_layers=4, n_heads=4)).eval()
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1024, 1000, 990, 1012)]
+    p = max(1, ctx // 2)
+    lengths = sorted({max(1, int(p * f)) for f in (1.0, 0.977, 0.967, 0.988)}, reverse=True)
     new_tokens = 32
+    gpt_dim = min(256, dim)  # 256 at the default dim=768
+    gpt_heads = 4 if gpt_dim % 4 == 0 else 1
+    model = TinyGPT(GPTConfig(vocab_size=256, max_len=p + new_tokens + 44, dim=gpt_dim, n_layers=4,
+                              n_heads=gpt_heads)).eval()
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
     t = interleaved_medians({
         "cache": lambda: model.generate(prompts, new_tokens),
         "nocache": lambda: model.generate(prompts, new_tokens, use_cache=False),
     }, repeats=3, warmup=1)
     produced = len(prompts) * new_tokens
-    rows.append({"row": "generate, KV cache", "ms": t["cache"] * 1e3, "tokens_per_s": produced / t["cache"],
-                 "speedup": t["nocache"] / t["cache"], "shape": "TinyGPT dim=256 L=4, 4 prompts ~1024 + 32 new"})
-    rows.append({"row": "generate, no cache", "ms": t["nocache"] * 1e3, "tokens_per_s": produced / t["nocache"],
-                 "speedup": 1.0, "shape": "recomputes the prefix every step"})
+    shape = f"TinyGPT dim={gpt_dim} L=4, {len(prompts)} prompts of {min(lengths)}..{max(lengths)} + {new_tokens} new"
+    rows.append({"row": "generate, KV cache", "dtype": "float32", "ms": t["cache"] * 1e3,
+                 "tokens_per_s": produced / t["cache"], "speedup": t["nocache"] / t["cache"], "shape": shape})
+    rows.append({"row": "generate, no cache", "dtype": "float32", "ms": t["nocache"] * 1e3,
+                 "tokens_per_s": produced / t["nocache"], "speedup": 1.0, "shape": "recomputes the prefix every step"})
     return rows
 
 
@@ -226,17 +273,22 @@ def _rows(level: str, dtype: torch.dtype, T: int, mask_name: str, fwd: dict[str,
 
 def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repeats: int = 5,
               dtypes: tuple[torch.dtype, ...] = (torch.float32,), memory_lengths: tuple[int, ...] = (4096, 8192),
-              backward: bool = True, decode: bool = True) -> Report:
+              backward: bool = True, decode_shape: tuple[int, int, int, int] | None = (8, 2048, 768, 12),
+              decode_dtypes: tuple[torch.dtype, ...] = DECODE_DTYPES) -> Report:
+    """The kernel and module rows for every dtype and T (causal and padded), peak memory at
+    memory_lengths, and the generation rows at decode_shape = (B, ctx, dim, H) unless None."""
+    ceilings = {_name(dt): mm_ceiling(dt) for dt in dtypes}
     report = Report(B=B, H=H, hd=hd, threads=torch.get_num_threads(),
                     capability=str(torch.ops.causal_attention.cpu_capability()),
-                    mm_gflops={_name(dt): mm_ceiling(dt) for dt in dtypes}, copy_gbs=copy_ceiling())
+                    mm_gflops={k: v[0] for k, v in ceilings.items()}, mm_n={k: v[1] for k, v in ceilings.items()},
+                    copy_gbs=copy_ceiling())
     report.skipped.append(f"reference and nn.MultiheadAttention above T={MATERIALISING_MAX_T}: they materialise "
                           "B*H*T*T scores (6+ GB with their backward at T=4096)")
     dim = H * hd
     gen = torch.Generator().manual_seed(0)
     steps = [(dt, T, m) for dt in dtypes for T in lengths for m in ("causal", "padded")]
     with Progress(transient=True) as progress:
-        task = progress.add_task("bench", total=len(steps) + len(memory_lengths) + int(decode))
+        task = progress.add_task("bench", total=len(steps) + len(memory_lengths) + int(decode_shape is not None))
         for dtype, T, mask_name in steps:
             progress.update(task, description=f"{str(dtype)[6:]} T={T} {mask_name}")
             mask = None if mask_name == "causal" else _padded_mask(B, T, gen)
@@ -260,9 +312,10 @@ def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repe
             progress.update(task, description=f"memory T={T}")
             report.memory.append({"T": T, **{impl: peak_extra_mb(impl, B, T, H, hd) for impl in ("ours", "sdpa(bool mask)")}})
             progress.advance(task)
-        if decode:
+        if decode_shape is not None:
             progress.update(task, description="decode")
-            report.decode = decode_rows()
+            dB, ctx, ddim, dH = decode_shape
+            report.decode = decode_rows(B=dB, ctx=ctx, dim=ddim, H=dH, dtypes=decode_dtypes)
             progress.advance(task)
     return report
 
@@ -306,7 +359,7 @@ def print_report(report: Report, console: Console | None = None) -> None:
     console = console or Console(width=max(Console().width, 160))
     console.print(f"B={report.B} H={report.H} head_dim={report.hd}, {report.threads} threads, kernel ISA "
                   f"{report.capability}; ceiling: torch.mm "
-                  + ", ".join(f"{dt} {v:.0f} GFLOP/s" for dt, v in report.mm_gflops.items())
+                  + ", ".join(f"{dt} {v:.0f} GFLOP/s (n={report.mm_n[dt]})" for dt, v in report.mm_gflops.items())
                   + f"; copy {report.copy_gbs:.1f} GB/s")
     table = Table(title="causal_attention bench (medians of interleaved runs; x = baseline time / time)")
     for col in ("level", "dtype", "T", "mask", "impl", "fwd ms", "fwd x", "fwd+bwd ms", "fwd+bwd x", "fwd GFLOP/s",
@@ -330,12 +383,13 @@ def print_report(report: Report, console: Console | None = None) -> None:
             mem.caption = "growth " + ", ".join(f"{i}: {b[i] / a[i]:.2f}x" for i in impls) + f" from T={a['T']} to T={b['T']}"
         console.print(mem)
     if report.decode:
-        dec = Table(title="generation (of copy: K and V bytes read per second over a same-size copy's bytes per "
-                          "second, interleaved)")
-        for col in ("row", "ms", "K+V GB/s", "of copy", "tokens/s", "x vs no cache", "shape"):
-            dec.add_column(col, justify="left" if col in ("row", "shape") else "right")
+        dec = Table(title="generation (vs f32: float32 time / this time; of copy: K and V bytes read per second "
+                          "over a float32 K+V-size copy's bytes per second; all interleaved)")
+        for col in ("row", "dtype", "ms", "vs f32", "K+V GB/s", "of copy", "tokens/s", "x vs no cache", "shape"):
+            dec.add_column(col, justify="left" if col in ("row", "dtype", "shape") else "right")
         for d in report.decode:
-            dec.add_row(str(d["row"]), f"{d['ms']:.2f}",
+            dec.add_row(str(d["row"]), str(d["dtype"]), f"{d['ms']:.3f}",
+                        f"{d['vs_f32']:.2f}x" if "vs_f32" in d else "-",
                         f"{d['kv_GB_per_s']:.1f}" if "kv_GB_per_s" in d else "-",
                         f"{100 * float(d['of_copy']):.0f}%" if "of_copy" in d else "-",
                         f"{d['tokens_per_s']:,.0f}" if "tokens_per_s" in d else "-",
@@ -370,7 +424,8 @@ def plot_report(report: Report, path: Path) -> None:
         ax.set_xlabel("T")
         ax.set_ylabel("ms (median)")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.lines:
+            ax.legend(fontsize=8)
     fig.suptitle(f"causal_attention vs PyTorch: B={report.B} H={report.H} hd={report.hd} {dtype}, "
                  f"{report.threads} threads (padded: lengths uniform in [T/2, T])")
     fig.tight_layout()
@@ -379,10 +434,14 @@ def plot_report(report: Report, path: Path) -> None:
 
 
 def main(*, lengths: list[int], repeats: int, json_path: Path | None, plot_path: Path | None, bf16: bool,
-         memory: bool, backward: bool, decode: bool) -> Report:
+         memory_lengths: list[int], backward: bool, decode_shape: tuple[int, int, int, int] | None,
+         B: int = 4, H: int = 12, hd: int = 64) -> Report:
+    """Runs the bench (bf16: also the bfloat16 kernel and module rows), prints the tables, writes
+    the report as JSON and the time-vs-T plot as PNG where paths are given. The generation rows,
+    unless decode_shape is None, are always in float32, bfloat16 and float16."""
     dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
-    report = run_bench(lengths=lengths, repeats=repeats, dtypes=dtypes,
-                       memory_lengths=(4096, 8192) if memory else (), backward=backward, decode=decode)
+    report = run_bench(lengths=lengths, B=B, H=H, hd=hd, repeats=repeats, dtypes=dtypes,
+                       memory_lengths=tuple(memory_lengths), backward=backward, decode_shape=decode_shape)
     print_report(report)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

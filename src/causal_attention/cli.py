@@ -4,34 +4,79 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 
+def _sizes(*names: str) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type for a comma-separated tuple of positive sizes such as "B,T,dim,H"; the last
+    two are (dim, H), and H must divide dim."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        parts = text.split(",")
+        try:
+            values = tuple(int(p) for p in parts)
+        except ValueError:
+            values = ()
+        if len(values) != len(names) or any(v <= 0 for v in values):
+            raise argparse.ArgumentTypeError(f"expected {len(names)} positive integers {','.join(names)}; got {text!r}")
+        dim, heads = values[-2:]
+        if dim % heads != 0:
+            raise argparse.ArgumentTypeError(f"{names[-2]}={dim} is not divisible by {names[-1]}={heads} in {text!r}")
+        return values
+
+    parse.__name__ = ",".join(names)
+    return parse
+
+
+def _positive(text: str) -> int:
+    """An argparse type: a positive int."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m causal_attention", description=__doc__)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=_positive, default=None, help="torch threads (default: torch's)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     check = sub.add_parser("check", help="error against nn.MultiheadAttention and the reference, and timings")
-    check.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds (median)")
+    check.add_argument("--repeats", type=_positive, default=5, help="interleaved timing rounds (median)")
     check.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    check.add_argument("--shapes", type=_sizes("B", "T", "dim", "H"), nargs="+", default=None, metavar="B,T,dim,H",
+                       help="shapes to check (default: GPT-2 widths, 4,256,768,12 2,1024,768,12 1,512,1024,16)")
 
     bench = sub.add_parser("bench", help="the kernel and the module against PyTorch's own, with a plot")
-    bench.add_argument("--T", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096], help="sequence lengths")
-    bench.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds (median)")
+    bench.add_argument("--T", type=_positive, nargs="+", default=[256, 512, 1024, 2048, 4096], help="sequence lengths")
+    bench.add_argument("--B", type=_positive, default=4, help="batch size of the kernel and module rows")
+    bench.add_argument("--H", type=_positive, default=12, help="heads of the kernel and module rows")
+    bench.add_argument("--hd", type=_positive, default=64, help="head_dim of the kernel and module rows")
+    bench.add_argument("--repeats", type=_positive, default=5, help="interleaved timing rounds (median)")
     bench.add_argument("--json", type=Path, default=Path("bench_out/bench.json"), help="write the report as JSON")
     bench.add_argument("--plot", type=Path, default=Path("bench_out/bench.png"), help="write time-vs-T plot (PNG)")
-    bench.add_argument("--no-bf16", dest="bf16", action="store_false", help="skip the bfloat16 rows")
-    bench.add_argument("--no-memory", dest="memory", action="store_false", help="skip peak memory at T=4096, 8192")
+    bench.add_argument("--no-bf16", dest="bf16", action="store_false",
+                       help="skip the bfloat16 kernel and module rows (the generation rows keep theirs)")
+    bench.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak memory rows")
+    bench.add_argument("--memory-T", type=_positive, nargs="+", default=[4096, 8192],
+                       help="sequence lengths of the peak memory rows")
     bench.add_argument("--no-backward", dest="backward", action="store_false", help="time the forward pass only")
     bench.add_argument("--no-decode", dest="decode", action="store_false", help="skip the generation rows")
+    bench.add_argument("--decode-shape", type=_sizes("B", "ctx", "dim", "H"), default=(8, 2048, 768, 12),
+                       metavar="B,ctx,dim,H", help="the decode step's shape; the generation rows use prompts of "
+                       "about ctx/2 tokens (default: 8,2048,768,12)")
 
     demo = sub.add_parser("demo", help="train a tiny GPT on digit reversal, then generate with the KV cache")
     demo.add_argument("--steps", type=int, default=1500, help="training steps")
     demo.add_argument("--seed", type=int, default=0, help="same seed, same result")
     demo.add_argument("--out", type=Path, default=Path("demo_out"), help="where to write metrics, plots, model")
     demo.add_argument("--load", type=Path, default=None, help="answer new problems with a saved model instead")
+    demo.add_argument("--n-eval", type=_positive, default=500, help="problems to answer after training or loading")
 
     args = parser.parse_args(argv)
     if args.threads is not None:
@@ -39,16 +84,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "check":
         from . import check as check_mod
 
-        check_mod.main(repeats=args.repeats, json_path=args.json)
+        check_mod.main(repeats=args.repeats, json_path=args.json, shapes=args.shapes)
     elif args.command == "demo":
         from . import demo as demo_mod
 
-        demo_mod.main(steps=args.steps, seed=args.seed, out=args.out, load=args.load)
+        demo_mod.main(steps=args.steps, seed=args.seed, out=args.out, load=args.load, n_eval=args.n_eval)
     elif args.command == "bench":
         from . import bench as bench_mod
 
-        bench_mod.main(lengths=args.T, repeats=args.repeats, json_path=args.json, plot_path=args.plot,
-                       bf16=args.bf16, memory=args.memory, backward=args.backward, decode=args.decode)
+        bench_mod.main(lengths=args.T, B=args.B, H=args.H, hd=args.hd, repeats=args.repeats, json_path=args.json,
+                       plot_path=args.plot, bf16=args.bf16, memory_lengths=args.memory_T if args.memory else [],
+                       backward=args.backward, decode_shape=args.decode_shape if args.decode else None)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,18 @@ def make_problem(rng: random.Random) -> tuple[list[int], list[int]]:
     return [BOS, *digits, SEP], [*reversed(digits), EOS]
 
 
+def heldout_problems(seed: int, n: int) -> list[tuple[list[int], list[int]]]:
+    """The n problems a training run with this seed is evaluated on (a stream training never draws from)."""
+    rng = random.Random(seed + 1_000_003)
+    return [make_problem(rng) for _ in range(n)]
+
+
+def new_problems(seed: int, n: int) -> list[tuple[list[int], list[int]]]:
+    """The n problems ``--load`` answers: neither the training nor the held-out stream of this seed."""
+    rng = random.Random(seed + 2_000_003)
+    return [make_problem(rng) for _ in range(n)]
+
+
 def make_batch(rng: random.Random, batch_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """Right-padded (tokens, key_padding_mask, targets), each (B, T); targets are -100 except on
     the answer tokens (the loss is on the answers only)."""
@@ -176,16 +188,14 @@ def main(*, steps: int, seed: int, out: Path, load: Path | None, n_eval: int = 5
     console = Console()
     torch.manual_seed(seed)
     if load is not None:
-        new_rng = random.Random(seed + 2_000_003)  # neither the training nor the evaluation stream
-        problems = [make_problem(new_rng) for _ in range(n_eval)]
+        problems = new_problems(seed, n_eval)
         model = load_model(load)
         acc, tps, answers = evaluate(model, problems, use_cache=True)
         console.print(f"loaded {load}: exact match {acc:.1%} on {n_eval} new problems ({tps:,.0f} tokens/s with the cache)")
         _show(console, problems, answers)
         return {"accuracy": acc, "tokens_per_s_cache": tps}
 
-    eval_rng = random.Random(seed + 1_000_003)  # held out: a stream the training never draws from
-    problems = [make_problem(eval_rng) for _ in range(n_eval)]
+    problems = heldout_problems(seed, n_eval)
     model = TinyGPT(GPTConfig(vocab_size=VOCAB, max_len=MAX_LEN))
     console.print(f"TinyGPT: {sum(p.numel() for p in model.parameters()):,} parameters, {model.config}")
     model.train()

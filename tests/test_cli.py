@@ -1,0 +1,179 @@
+"""``python -m causal_attention check|bench|demo`` at tiny sizes: the files they write hold the rows
+they should, with numbers that make sense; bad arguments are argparse errors (exit code 2)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from causal_attention import cli
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CHECK_KEYS = {"shape", "mask", "impl", "err_vs_mha", "err_vs_ref64", "fwd_ms", "fwd_bwd_ms", "fwd_vs_mha",
+              "fwd_bwd_vs_mha"}
+IMPLS = {"nn.MultiheadAttention", "ours:cpp", "ours:sdpa", "ours:reference"}
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads() -> Iterator[None]:
+    """``--threads`` sets torch's thread count for the whole process: put it back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _positive_finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _check_rows(rows: list[dict], shapes: list[tuple[int, int, int, int]]) -> None:
+    """The rows of ``check``: every (shape, mask, impl), errors of float32 size, ratios that are ratios."""
+    expected = {(f"B={B} T={T} dim={dim} H={H}", mask, impl)
+                for B, T, dim, H in shapes for mask in ("none", "right") for impl in IMPLS}
+    assert {(r["shape"], r["mask"], r["impl"]) for r in rows} == expected and len(rows) == len(expected)
+    for r in rows:
+        assert set(r) == CHECK_KEYS
+        assert 0 <= r["err_vs_mha"] < 1e-4 and 0 < r["err_vs_ref64"] < 1e-4, r  # float32 against float64: not 0
+        for key in ("fwd_ms", "fwd_bwd_ms", "fwd_vs_mha", "fwd_bwd_vs_mha"):
+            assert _positive_finite(r[key]), (key, r)
+        if r["impl"] == "nn.MultiheadAttention":
+            assert r["err_vs_mha"] == 0 and r["fwd_vs_mha"] == 1 and r["fwd_bwd_vs_mha"] == 1
+        else:
+            base = next(b for b in rows if (b["shape"], b["mask"], b["impl"]) == (r["shape"], r["mask"], "nn.MultiheadAttention"))
+            assert r["fwd_bwd_vs_mha"] == pytest.approx(base["fwd_bwd_ms"] / r["fwd_bwd_ms"], rel=1e-9)
+
+
+def test_check_at_tiny_shapes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "deep" / "check.json"
+    cli.main(["--threads", "1", "check", "--shapes", "2,16,32,4", "1,9,24,3", "--repeats", "1", "--json", str(out)])
+    assert torch.get_num_threads() == 1
+    _check_rows(json.loads(out.read_text()), [(2, 16, 32, 4), (1, 9, 24, 3)])
+    printed = capsys.readouterr().out
+    assert "causal_attention check" in printed and "B=1 T=9 dim=24 H=3" in printed
+
+
+def test_bench_at_tiny_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, plot = tmp_path / "b" / "bench.json", tmp_path / "b" / "bench.png"
+    B, H, hd, lengths = 2, 2, 8, (16, 32)
+    dB, ctx, ddim, dH = 2, 64, 32, 2
+    cli.main(["--threads", "1", "bench", "--T", *map(str, lengths), "--B", str(B), "--H", str(H), "--hd", str(hd),
+              "--repeats", "1", "--memory-T", "32", "--decode-shape", f"{dB},{ctx},{ddim},{dH}",
+              "--json", str(out), "--plot", str(plot)])
+    report = json.loads(out.read_text())
+    assert (report["B"], report["H"], report["hd"], report["threads"]) == (B, H, hd, 1)
+    assert set(report["mm_gflops"]) == {"float32", "bfloat16"} and all(map(_positive_finite, report["mm_gflops"].values()))
+    assert _positive_finite(report["copy_gbs"])
+
+    # Kernel and module rows: every (dtype, T, mask) and implementation, times and ratios that add up.
+    expected = set()
+    for dtype in ("float32", "bfloat16"):
+        for T in lengths:
+            for impl in ("ours", "sdpa(bool mask)", "sdpa(is_causal)", "reference"):
+                expected.add(("kernel", dtype, T, "causal", impl))
+                if impl != "sdpa(is_causal)":
+                    expected.add(("kernel", dtype, T, "padded", impl))
+            for mask in ("causal", "padded"):
+                expected |= {("module", dtype, T, mask, impl) for impl in ("ours", "nn.MultiheadAttention")}
+    rows = report["rows"]
+    assert {(r["level"], r["dtype"], r["T"], r["mask"], r["impl"]) for r in rows} == expected
+    assert len(rows) == len(expected)
+    dim = H * hd
+    for r in rows:
+        for key in ("fwd_ms", "fwd_bwd_ms", "fwd_speedup", "fwd_bwd_speedup", "fwd_gflops", "fwd_ceiling_fraction"):
+            assert _positive_finite(r[key]), (key, r)
+        flops = 2 * B * H * r["T"] ** 2 * hd + (8 * B * r["T"] * dim**2 if r["level"] == "module" else 0)
+        assert r["fwd_gflops"] == pytest.approx(flops / (r["fwd_ms"] / 1e3) / 1e9, rel=1e-9)  # the counting rule
+        base = next(b for b in rows if (b["level"], b["dtype"], b["T"], b["mask"], b["impl"])
+                    == (r["level"], r["dtype"], r["T"], r["mask"], r["baseline"]))
+        assert r["fwd_speedup"] == pytest.approx(base["fwd_ms"] / r["fwd_ms"], rel=1e-9)
+
+    # Peak memory at the one length asked for.
+    assert [m["T"] for m in report["memory"]] == [32]
+    assert all(math.isfinite(v) and v >= 0 for k, v in report["memory"][0].items() if k != "T")
+
+    # Generation: the decode step in float32, bfloat16 and float16 with its ratio to float32, then generate.
+    steps = [d for d in report["decode"] if str(d["row"]).startswith("decode step")]
+    assert {(d["row"], d["dtype"]) for d in steps} == {
+        (row, dt) for row in ("decode step: whole layer", "decode step: attention op")
+        for dt in ("float32", "bfloat16", "float16")}
+    for d in steps:
+        assert _positive_finite(d["ms"]) and _positive_finite(d["vs_f32"]) and _positive_finite(d["kv_GB_per_s"])
+        f32 = next(e for e in steps if e["row"] == d["row"] and e["dtype"] == "float32")
+        assert d["vs_f32"] == pytest.approx(f32["ms"] / d["ms"], rel=1e-9)
+        itemsize = 4 if d["dtype"] == "float32" else 2
+        kv_bytes = 2 * dB * dH * ctx * (ddim // dH) * itemsize  # K and V of the context, read once
+        assert d["kv_GB_per_s"] * 1e9 * d["ms"] / 1e3 == pytest.approx(kv_bytes, rel=1e-9)
+    generate = {d["row"]: d for d in report["decode"] if str(d["row"]).startswith("generate")}
+    assert set(generate) == {"generate, KV cache", "generate, no cache"}
+    assert all(_positive_finite(d["tokens_per_s"]) and _positive_finite(d["speedup"]) for d in generate.values())
+
+    assert plot.read_bytes()[:8] == PNG_MAGIC
+    printed = capsys.readouterr().out
+    assert "causal_attention bench" in printed and "vs f32" in printed and f"plot: {plot}" in printed
+
+
+def test_bench_switches_leave_out_their_rows(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    cli.main(["--threads", "1", "bench", "--T", "8", "--B", "1", "--H", "1", "--hd", "4", "--repeats", "1",
+              "--no-bf16", "--no-memory", "--no-backward", "--no-decode", "--json", str(out), "--plot", str(tmp_path / "p.png")])
+    report = json.loads(out.read_text())
+    assert {r["dtype"] for r in report["rows"]} == {"float32"} and set(report["mm_gflops"]) == {"float32"}
+    assert all(r["fwd_bwd_ms"] is None and r["fwd_bwd_speedup"] is None for r in report["rows"])
+    assert report["memory"] == [] and report["decode"] == []
+
+
+def test_demo_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cli.main(["--threads", "1", "demo", "--steps", "3", "--seed", "5", "--out", str(tmp_path), "--n-eval", "6"])
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert (metrics["steps"], metrics["seed"], metrics["eval_problems"]) == (3, 5, 6)
+    capsys.readouterr()
+    cli.main(["--threads", "1", "demo", "--load", str(tmp_path), "--n-eval", "6"])
+    printed = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "on 6 new problems" in printed and "reverse(" in printed
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "required: command"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["check", "--shapes", "2,16,30,4"], "dim=30 is not divisible by H=4"),
+        (["check", "--shapes", "2,16,32"], "expected 4 positive integers B,T,dim,H; got '2,16,32'"),
+        (["check", "--shapes", "2,x,32,4"], "expected 4 positive integers"),
+        (["check", "--repeats", "0"], "expected a positive integer; got '0'"),
+        (["bench", "--T", "0"], "expected a positive integer; got '0'"),
+        (["bench", "--decode-shape", "8,2048,768"], "expected 4 positive integers B,ctx,dim,H"),
+        (["bench", "--hd", "-3"], "expected a positive integer; got '-3'"),
+        (["demo", "--n-eval", "many"], "expected a positive integer; got 'many'"),
+        (["demo", "--steps"], "expected one argument"),
+        (["--threads", "0", "check"], "expected a positive integer; got '0'"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "causal_attention", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def test_module_entry_point_help_and_a_tiny_run(tmp_path: Path) -> None:
+    result = _run("--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert all(cmd in result.stdout for cmd in ("check", "bench", "demo", "--threads"))
+    result = _run("--threads", "1", "check", "--shapes", "1,8,16,2", "--repeats", "1", "--json", "c.json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    _check_rows(json.loads((tmp_path / "c.json").read_text()), [(1, 8, 16, 2)])
+    result = _run("check", "--shapes", "1,8,15,2", cwd=tmp_path)
+    assert result.returncode == 2 and "dim=15 is not divisible by H=2" in result.stderr
