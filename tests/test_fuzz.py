@@ -114,6 +114,9 @@ class DtypeRecord:
     worst_err: float = 0.0  # the err of that worst ratio
     worst_tol: float = 0.0
     worst_where: str = ""
+    beyond_strict: int = 0  # examples within the provisional bound but beyond the strict one
+    worst_strict_ratio: float = 0.0  # max of err / strict tolerance
+    worst_strict_where: str = ""
 
 
 @dataclass
@@ -126,20 +129,25 @@ class FuzzRecord:
     failing: list[str] = field(default_factory=list)  # the first few failing draws, in full
     _draws: set[tuple] = field(default_factory=set)
 
-    def add(self, test: str, case: object, dtype: torch.dtype, ratios: list[tuple[str, float, float]],
+    def add(self, test: str, case: object, dtype: torch.dtype, ratios: list[tuple[str, float, float, float]],
             problems: list[str], seconds: float) -> None:
+        """ratios: (what, err, tol, strict tol) per quantity."""
         key = f"{test} {_name(dtype)}"
         self.per_test[key] = self.per_test.get(key, 0) + 1
         self.seconds[key] = self.seconds.get(key, 0.0) + seconds
         rec = self.per_dtype.setdefault(_name(dtype), DtypeRecord())
         rec.examples += 1
-        for what, err, tol in ratios:
+        for what, err, tol, strict in ratios:
             if err / tol > rec.worst_ratio or math.isnan(err):
                 rec.worst_ratio, rec.worst_err, rec.worst_tol = err / tol, err, tol
                 rec.worst_where = f"{what} in {case}"
+            if err / strict > rec.worst_strict_ratio:
+                rec.worst_strict_ratio, rec.worst_strict_where = err / strict, f"{what} in {case}"
+        if not problems and any(err > strict for _, err, _, strict in ratios):
+            rec.beyond_strict += 1
         if problems:
             rec.failures += 1
-            for what, err, tol in ratios:
+            for what, err, tol, _ in ratios:
                 if not err <= tol:
                     rec.failing_quantities[what] = rec.failing_quantities.get(what, 0) + 1
             draw = (test, *(getattr(case, f) for f in ("B", "T", "H", "hd", "dtype", "seed")))
@@ -197,6 +205,9 @@ def _run_profile(test: str, dtype: torch.dtype, strategy: st.SearchStrategy,
         elif problems:
             raise AssertionError(f"{case}:\n  " + "\n  ".join(problems))
 
+    # ci: derandomize seeds from the test function's digest, the same for every (test, dtype) here;
+    # this attribute (hypothesis's own hook for pytest.mark.parametrize) gives each its own examples.
+    example._hypothesis_internal_add_digest = name.encode()  # type: ignore[attr-defined]
     run = settings(settings.get_profile(PROFILE), max_examples=n)(given(strategy)(example))
     threads = torch.get_num_threads()
     if PROFILE == "fuzz":
@@ -375,17 +386,17 @@ def _baseline_errors(run: Callable[[Callable[[Tensor, Tensor | None, int], Tenso
 
 
 def _compare(names: list[str], ours: list[Tensor], exact: list[Tensor], base: list[float] | None,
-             dtype: torch.dtype) -> tuple[list[tuple[str, float, float]], list[str]]:
-    """(what, err, tol) per quantity, and the problems found."""
+             dtype: torch.dtype, *, backend: str) -> tuple[list[tuple[str, float, float, float]], list[str]]:
+    """(what, err, tol, strict tol) per quantity, and the problems found (err > tol)."""
     ratios, problems = [], []
     for i, what in enumerate(names):
         if ours[i].isnan().any():
             problems.append(f"{what} has NaN")
-            ratios.append((what, float("nan"), 1.0))
+            ratios.append((what, float("nan"), 1.0, 1.0))
             continue
         err = rel_err(ours[i], exact[i])
         tol = FLOOR[dtype] if base is None else max(FLOOR[dtype], SLACK * base[i])
-        ratios.append((what, err, tol))
+        ratios.append((what, err, tol, tol))
         if not err <= tol:
             problems.append(f"{what}: error {err:.3g} > tolerance {tol:.3g}")
     return ratios, problems
@@ -444,8 +455,8 @@ def layer_cases(draw: st.DrawFn, dtype: torch.dtype) -> LayerCase:
     )
 
 
-def run_layer_case(case: LayerCase) -> tuple[list[tuple[str, float, float]], list[str]]:
-    """Runs one example; returns (what, err, tol) per quantity and the problems found."""
+def run_layer_case(case: LayerCase) -> tuple[list[tuple[str, float, float, float]], list[str]]:
+    """Runs one example; returns (what, err, tol, strict tol) per quantity and the problems found."""
     B, T, H, hd, dtype = case.B, case.T, case.H, case.hd, case.dtype
     dim = H * hd
     gen = torch.Generator().manual_seed(case.seed ^ BASE_SEED)
@@ -490,7 +501,7 @@ def run_layer_case(case: LayerCase) -> tuple[list[tuple[str, float, float]], lis
     base = None if dtype == torch.float64 else _baseline_errors(run_baseline, exact)
 
     names = ["out", "grad x", "grad qkv.weight", "grad qkv.bias", "grad proj.weight", "grad proj.bias"]
-    ratios, found = _compare(names, ours, exact, base, dtype)
+    ratios, found = _compare(names, ours, exact, base, dtype, backend=case.backend)
     return ratios, problems + found
 
 
@@ -498,7 +509,7 @@ def _check_layer(case: object) -> list[str]:
     assert isinstance(case, LayerCase)
     start = time.perf_counter()
     ratios, problems = run_layer_case(case)
-    target(max(r for _, e, t in ratios for r in [e / t] if not math.isnan(r)), label=f"layer {_name(case.dtype)}")
+    target(max(r for _, e, t, _ in ratios for r in [e / t] if not math.isnan(r)), label=f"layer {_name(case.dtype)}")
     RECORD.add("layer", case, case.dtype, ratios, problems, time.perf_counter() - start)
     return problems
 
@@ -540,8 +551,8 @@ def core_cases(draw: st.DrawFn, dtype: torch.dtype) -> CoreCase:
     )
 
 
-def run_core_case(case: CoreCase) -> tuple[list[tuple[str, float, float]], list[str]]:
-    """Runs one example; returns (what, err, tol) per quantity and the problems found."""
+def run_core_case(case: CoreCase) -> tuple[list[tuple[str, float, float, float]], list[str]]:
+    """Runs one example; returns (what, err, tol, strict tol) per quantity and the problems found."""
     B, T, H, hd, dtype = case.B, case.T, case.H, case.hd, case.dtype
     gen = torch.Generator().manual_seed(case.seed ^ BASE_SEED)
     qkv = _strided_view((B, T, 3 * H * hd), case.layout, dtype, case.scale, gen).requires_grad_()
@@ -567,7 +578,7 @@ def run_core_case(case: CoreCase) -> tuple[list[tuple[str, float, float]], list[
         return [yb.detach(), *torch.autograd.grad(yb, [qkvb], g)]
 
     base = None if dtype == torch.float64 else _baseline_errors(run_baseline, exact)
-    ratios, found = _compare(["out", "grad qkv"], ours, exact, base, dtype)
+    ratios, found = _compare(["out", "grad qkv"], ours, exact, base, dtype, backend=case.backend)
     return ratios, problems + found
 
 
@@ -575,7 +586,7 @@ def _check_core(case: object) -> list[str]:
     assert isinstance(case, CoreCase)
     start = time.perf_counter()
     ratios, problems = run_core_case(case)
-    target(max(r for _, e, t in ratios for r in [e / t] if not math.isnan(r)), label=f"core {_name(case.dtype)}")
+    target(max(r for _, e, t, _ in ratios for r in [e / t] if not math.isnan(r)), label=f"core {_name(case.dtype)}")
     RECORD.add("core", case, case.dtype, ratios, problems, time.perf_counter() - start)
     return problems
 
@@ -625,6 +636,18 @@ def test_policy_baseline_is_exact_attention_in_float32() -> None:
     (g64,) = torch.autograd.grad(y64, x64, g.double())
     assert rel_err(y, y64) <= 1e-6 and rel_err(gx, g64) <= 1e-6
     assert rel_err(gx, g64) > 0  # it did run in float32
+
+
+def test_half_precision_backward_of_nearly_one_hot_rows() -> None:
+    """The smallest draw make fuzz found failing before the tile products accumulated in float32:
+    T = 10, head_dim 8, scores of std ~8 (nearly one-hot rows). grad qkv error was 0.070 in bfloat16
+    against 0.002 for both baselines; held to the same bound as every other example."""
+    mask = MaskSpec((("holes", 0.2, False), ("holes", 0.5, False)), torch.bool, "strided")
+    case = CoreCase(B=2, T=10, H=1, hd=8, dtype=torch.bfloat16, backend="cpp", mask=mask, layout="contiguous",
+                    scale=8.0, seed=1950 ^ BASE_SEED)  # the same values whatever CA_TEST_SEED
+    ratios, _ = run_core_case(case)
+    for what, err, _, strict in ratios:
+        assert err <= strict, f"{what}: error {err:.3g} > strict tolerance {strict:.3g}"
 
 
 def test_the_comparison_catches_a_planted_defect(monkeypatch) -> None:
