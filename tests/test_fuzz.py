@@ -46,7 +46,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -505,18 +505,22 @@ def run_layer_case(case: LayerCase) -> tuple[list[tuple[str, float, float, float
     return ratios, problems + found
 
 
-def _check_layer(case: object) -> list[str]:
-    assert isinstance(case, LayerCase)
-    start = time.perf_counter()
-    ratios, problems = run_layer_case(case)
-    target(max(r for _, e, t, _ in ratios for r in [e / t] if not math.isnan(r)), label=f"layer {_name(case.dtype)}")
-    RECORD.add("layer", case, case.dtype, ratios, problems, time.perf_counter() - start)
-    return problems
+def _checker(kind: str, run: Callable[[Any], tuple[list[tuple[str, float, float, float]], list[str]]]) -> Callable[[Any], list[str]]:
+    """One example of `kind` ("layer" or "core"): run it, steer hypothesis to the worst error, record it."""
+
+    def check(case: Any) -> list[str]:
+        start = time.perf_counter()
+        ratios, problems = run(case)
+        target(max(r for _, e, t, _ in ratios for r in [e / t] if not math.isnan(r)), label=f"{kind} {_name(case.dtype)}")
+        RECORD.add(kind, case, case.dtype, ratios, problems, time.perf_counter() - start)
+        return problems
+
+    return check
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
 def test_layer_matches_float64_reference(dtype: torch.dtype) -> None:
-    _run_profile("layer", dtype, layer_cases(dtype), _check_layer)
+    _run_profile("layer", dtype, layer_cases(dtype), _checker("layer", run_layer_case))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -582,18 +586,11 @@ def run_core_case(case: CoreCase) -> tuple[list[tuple[str, float, float, float]]
     return ratios, problems + found
 
 
-def _check_core(case: object) -> list[str]:
-    assert isinstance(case, CoreCase)
-    start = time.perf_counter()
-    ratios, problems = run_core_case(case)
-    target(max(r for _, e, t, _ in ratios for r in [e / t] if not math.isnan(r)), label=f"core {_name(case.dtype)}")
-    RECORD.add("core", case, case.dtype, ratios, problems, time.perf_counter() - start)
-    return problems
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
 def test_core_matches_float64_reference(dtype: torch.dtype) -> None:
-    _run_profile("core", dtype, core_cases(dtype), _check_core)
+    _run_profile("core", dtype, core_cases(dtype), _checker("core", run_core_case))
 
 
 # ---------------------------------------------------------------------------------------------
