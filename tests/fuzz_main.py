@@ -33,9 +33,6 @@ def summary_lines(report: dict, seconds: float) -> list[str]:
                      + (f" ({rec['failing_draws']} distinct draws; {failing})" if rec["failures"] else "")
                      + f"; worst error {rec['worst_ratio']:.3f} of its tolerance "
                      f"({rec['worst_err']:.3g} vs {rec['worst_tol']:.3g}): {rec['worst_where']}")
-        if rec["beyond_strict"]:
-            lines.append(f"  {'':9s} {rec['beyond_strict']} examples pass only the provisional bound of a known "
-                         f"defect (worst {rec['worst_strict_ratio']:.2f}x the strict bound): {rec['worst_strict_where']}")
     for failing in report["failing_examples"]:
         lines.append(f"  FAILED {failing}")
     return lines
