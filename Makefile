@@ -28,6 +28,9 @@ build/.system-deps:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q "scikit-build-core>=0.10" cmake ninja numpy "pytest>=8" "hypothesis>=6" \
 	  "rich>=13" "matplotlib>=3.7" "safetensors>=0.4" "tqdm>=4.66"
+	# Test-only: transformers' GPT-2 is the peer the checkpoint converters are checked against
+	# (models are built from configs with random weights; nothing is downloaded).
+	$(PIP) install -q "transformers==5.24.0"
 	@touch $@
 
 setup: build/.system-deps .venv/.deps-stamp
