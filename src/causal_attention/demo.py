@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import Tensor
 
-from .gpt import GPTConfig, TinyGPT
+from .gpt import GPT, GPTConfig
 
 SEP, EOS, BOS = 10, 11, 12  # digits are 0..9
 VOCAB = 13
@@ -67,7 +67,7 @@ def make_batch(rng: random.Random, batch_size: int) -> tuple[Tensor, Tensor, Ten
     return tokens, mask, targets
 
 
-def train(model: TinyGPT, *, steps: int, seed: int, batch_size: int = 64, lr: float = 3e-3,
+def train(model: GPT, *, steps: int, seed: int, batch_size: int = 64, lr: float = 3e-3,
           console: Console) -> tuple[list[float], float, float]:
     """Returns (loss per step, seconds, tokens per second)."""
     rng = random.Random(seed)
@@ -100,7 +100,7 @@ def train(model: TinyGPT, *, steps: int, seed: int, batch_size: int = 64, lr: fl
     return losses, seconds, tokens_seen / seconds
 
 
-def evaluate(model: TinyGPT, problems: list[tuple[list[int], list[int]]], *, use_cache: bool) -> tuple[float, float, list[list[int]]]:
+def evaluate(model: GPT, problems: list[tuple[list[int], list[int]]], *, use_cache: bool) -> tuple[float, float, list[list[int]]]:
     """(exact-match accuracy, generated tokens per second, answers) for one ragged batch."""
     model.eval()
     start = time.perf_counter()
@@ -124,7 +124,7 @@ def plot_loss(losses: list[float], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy on answer tokens")
-    ax.set_title("TinyGPT on digit reversal (right-padded batches)")
+    ax.set_title("GPT (demo configuration) on digit reversal (right-padded batches)")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -132,7 +132,7 @@ def plot_loss(losses: list[float], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_attention(model: TinyGPT, problem: tuple[list[int], list[int]], path: Path) -> None:
+def plot_attention(model: GPT, problem: tuple[list[int], list[int]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,22 +158,12 @@ def plot_attention(model: TinyGPT, problem: tuple[list[int], list[int]], path: P
     plt.close(fig)
 
 
-def save_model(model: TinyGPT, out: Path) -> None:
-    from safetensors.torch import save_model as st_save
-
-    st_save(model, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2))
+def save_model(model: GPT, out: Path) -> None:
+    model.save(out)  # model.safetensors + config.json
 
 
-def load_model(directory: Path) -> TinyGPT:
-    from safetensors.torch import load_model as st_load
-
-    config_path = directory / "config.json"
-    if not config_path.exists():
-        raise FileNotFoundError(f"{config_path} not found: --load takes a directory written by demo --out")
-    model = TinyGPT(GPTConfig(**json.loads(config_path.read_text())))
-    st_load(model, str(directory / "model.safetensors"))
-    return model
+def load_model(directory: Path) -> GPT:
+    return GPT.load(directory)
 
 
 def _show(console: Console, problems: list[tuple[list[int], list[int]]], answers: list[list[int]], n: int = 5) -> None:
@@ -196,8 +186,8 @@ def main(*, steps: int, seed: int, out: Path, load: Path | None, n_eval: int = 5
         return {"accuracy": acc, "tokens_per_s_cache": tps}
 
     problems = heldout_problems(seed, n_eval)
-    model = TinyGPT(GPTConfig(vocab_size=VOCAB, max_len=MAX_LEN))
-    console.print(f"TinyGPT: {sum(p.numel() for p in model.parameters()):,} parameters, {model.config}")
+    model = GPT(GPTConfig(vocab_size=VOCAB, max_len=MAX_LEN))  # the demo's small configuration
+    console.print(f"GPT: {sum(p.numel() for p in model.parameters()):,} parameters, {model.config}")
     model.train()
     losses, train_seconds, train_tps = train(model, steps=steps, seed=seed, console=console)
     acc, tps_cache, answers = evaluate(model, problems, use_cache=True)

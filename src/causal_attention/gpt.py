@@ -1,44 +1,125 @@
-"""A small GPT built from CausalSelfAttention: training on right-padded batches and batched
-generation over ragged prompts with a static KV cache.
+"""GPT: a GPT-2-style decoder built from CausalSelfAttention, for training on right-padded
+batches and batched generation over ragged prompts with a static KV cache.
 
-Shapes: B = batch, T = tokens, V = vocabulary, dim = model width.
+One class covers the demo's small model (``GPTConfig()`` defaults) and GPT-2 itself
+(``GPTConfig.gpt2()``, or ``GPT.from_huggingface`` / ``GPT.from_nanogpt``: see checkpoints.py).
+
+Shapes: B = batch, T = tokens, V = vocabulary, dim = model width, N = real tokens of a batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .cache import KVCache
-from .module import CausalSelfAttention
+from .module import CausalSelfAttention, normalize_key_padding_mask
+
+Activation = Literal["gelu", "gelu_tanh"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GPTConfig:
+    """The architecture of a GPT (all keyword-only).
+
+    vocab_size: tokens; max_len: positions (GPT-2's n_positions, nanoGPT's block_size); dim: width;
+    n_layers, n_heads (must divide dim); mlp_hidden: the MLP's inner width (None = 4 * dim);
+    layer_norm_eps; activation: ``"gelu"`` (exact, nanoGPT) or ``"gelu_tanh"`` (GPT-2's gelu_new);
+    bias: biases in every Linear and LayerNorm (nanoGPT's bias=False removes them); tie_head: the
+    output head is the token embedding; attn_dropout, resid_dropout, embd_dropout: GPT-2's attn_pdrop,
+    resid_pdrop, embd_pdrop (training mode only).
+    """
+
     vocab_size: int
-    max_len: int  # longest sequence (prompt + generated tokens)
+    max_len: int
     dim: int = 128
     n_layers: int = 3
     n_heads: int = 4
-    mlp_ratio: int = 4
+    mlp_hidden: int | None = None
+    layer_norm_eps: float = 1e-5
+    activation: Activation = "gelu"
+    bias: bool = True
+    tie_head: bool = True
+    attn_dropout: float = 0.0
+    resid_dropout: float = 0.0
+    embd_dropout: float = 0.0
 
-    def to_dict(self) -> dict[str, int]:
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_len", "dim", "n_layers", "n_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"GPTConfig.{name} must be a positive int; got {value!r}")
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"GPTConfig: n_heads={self.n_heads} must divide dim={self.dim}")
+        if self.mlp_hidden is not None and (not isinstance(self.mlp_hidden, int) or self.mlp_hidden <= 0):
+            raise ValueError(f"GPTConfig.mlp_hidden must be None or a positive int; got {self.mlp_hidden!r}")
+        if self.activation not in ("gelu", "gelu_tanh"):
+            raise ValueError(f"GPTConfig.activation must be 'gelu' or 'gelu_tanh'; got {self.activation!r}")
+        if not (isinstance(self.layer_norm_eps, float) and self.layer_norm_eps > 0):
+            raise ValueError(f"GPTConfig.layer_norm_eps must be a positive float; got {self.layer_norm_eps!r}")
+        for name in ("attn_dropout", "resid_dropout", "embd_dropout"):
+            p = getattr(self, name)
+            if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= p < 1.0:
+                raise ValueError(f"GPTConfig.{name} must be a probability in [0, 1); got {p!r}")
+        for name in ("bias", "tie_head"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GPTConfig.{name} must be a bool; got {getattr(self, name)!r}")
+
+    @property
+    def hidden(self) -> int:
+        """The MLP's inner width."""
+        return self.mlp_hidden if self.mlp_hidden is not None else 4 * self.dim
+
+    @classmethod
+    def gpt2(cls, **overrides: Any) -> GPTConfig:
+        """GPT-2 small (124M): 50257 tokens, 1024 positions, 12 layers of width 768 with 12 heads,
+        tanh GELU, tied head, dropout 0.1; keywords override any field."""
+        base: dict[str, Any] = dict(vocab_size=50257, max_len=1024, dim=768, n_layers=12, n_heads=12,
+                                    activation="gelu_tanh", attn_dropout=0.1, resid_dropout=0.1, embd_dropout=0.1)
+        base.update(overrides)
+        return cls(**base)
+
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> GPTConfig:
+        """From to_dict's output (config.json). An unknown key is an error naming it; the demo's
+        older files (``mlp_ratio``) are read as the same model."""
+        values = dict(values)
+        if "mlp_ratio" in values:  # written by earlier versions of the demo
+            ratio = values.pop("mlp_ratio")
+            if values.get("mlp_hidden") is None and "dim" in values:
+                values["mlp_hidden"] = None if ratio == 4 else int(ratio) * int(values["dim"])
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"GPTConfig: unknown option(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-LayerNorm transformer block: x + drop(attn(ln1(x))), then x + drop(mlp(ln2(x)))."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(config.dim)
-        self.attn = CausalSelfAttention(config.dim, config.n_heads)
-        self.ln2 = nn.LayerNorm(config.dim)
-        hidden = config.mlp_ratio * config.dim
-        self.mlp = nn.Sequential(nn.Linear(config.dim, hidden), nn.GELU(), nn.Linear(hidden, config.dim))
+        dim, bias = config.dim, config.bias
+        self.ln1 = nn.LayerNorm(dim, eps=config.layer_norm_eps, bias=bias)
+        self.attn = CausalSelfAttention(dim, config.n_heads, bias=bias)
+        self.attn_drop = nn.Dropout(config.resid_dropout)
+        self.ln2 = nn.LayerNorm(dim, eps=config.layer_norm_eps, bias=bias)
+        approximate = "tanh" if config.activation == "gelu_tanh" else "none"
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, config.hidden, bias=bias),
+            nn.GELU(approximate=approximate),
+            nn.Linear(config.hidden, dim, bias=bias),
+            nn.Dropout(config.resid_dropout),
+        )
 
     def forward(
         self, x: Tensor, mask: Tensor | None, *, cache: KVCache | None = None, return_weights: bool = False
@@ -49,28 +130,121 @@ class Block(nn.Module):
             a, weights = self.attn(self.ln1(x), mask, return_weights=True)
         else:
             a = self.attn(self.ln1(x), mask, cache=cache)
-        x = x + a
+        x = x + self.attn_drop(a)
         x = x + self.mlp(self.ln2(x))
         return x, weights
 
+    def forward_packed(self, x: Tensor, packing: _Packing, *, cache: KVCache | None = None) -> Tensor:
+        """The same block on the real tokens only: x (N, dim) -> (N, dim). Every per-token
+        operation (LayerNorms, projections, MLP) runs on the N real tokens; the attention sees them
+        at their (B, T) places, with padding zeroed and masked."""
+        qkv = self.attn.qkv(self.ln1(x))  # (N, 3 * dim)
+        y = self.attn.attend(packing.unpack(qkv), packing.mask, cache=cache)  # (B, T, dim)
+        x = x + self.attn_drop(self.attn.proj(packing.pack(y)))
+        return x + self.mlp(self.ln2(x))
 
-class TinyGPT(nn.Module):
-    """Token and per-sequence position embeddings, N blocks, a final LayerNorm and a head tied to
-    the token embedding."""
+
+@dataclass(frozen=True)
+class _Packing:
+    """Where the N real tokens of a right- or arbitrarily padded (B, T) batch sit."""
+
+    mask: Tensor  # (B, T) bool
+    index: Tensor  # (N,) flat positions b * T + t of the real tokens
+
+    @classmethod
+    def of(cls, mask: Tensor) -> _Packing:
+        return cls(mask, mask.flatten().nonzero().squeeze(1))
+
+    def pack(self, x: Tensor) -> Tensor:
+        """(B, T, ...) -> (N, ...)."""
+        return x.flatten(0, 1).index_select(0, self.index)
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """(N, ...) -> (B, T, ...), zeros at padding."""
+        B, T = self.mask.shape
+        full = x.new_zeros((B * T,) + tuple(x.shape[1:]))
+        return full.index_copy(0, self.index, x).unflatten(0, (B, T))
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, n_layers Blocks, a final LayerNorm and a head (tied to the
+    token embedding unless ``config.tie_head`` is False).
+
+    Parameters: ``tok``, ``pos`` (embeddings), ``blocks.{i}.ln1``, ``.attn.qkv``, ``.attn.proj``,
+    ``.ln2``, ``.mlp.0`` and ``.mlp.2`` (the MLP's Linears), ``ln_f`` and, untied, ``head``.
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config must be a GPTConfig; got {type(config).__name__}")
         self.config = config
         self.tok = nn.Embedding(config.vocab_size, config.dim)
         self.pos = nn.Embedding(config.max_len, config.dim)
+        self.drop = nn.Dropout(config.embd_dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.ln_f = nn.LayerNorm(config.dim)
+        self.ln_f = nn.LayerNorm(config.dim, eps=config.layer_norm_eps, bias=config.bias)
+        if not config.tie_head:
+            self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
         nn.init.normal_(self.tok.weight, std=0.02)
         nn.init.normal_(self.pos.weight, std=0.02)
+
+    @property
+    def head_weight(self) -> Tensor:
+        """(V, dim): the output head's weight."""
+        return self.tok.weight if self.config.tie_head else self.head.weight
 
     def make_caches(self, batch_size: int, max_len: int | None = None) -> list[KVCache]:
         """One empty KV cache per layer."""
         return [b.attn.make_cache(batch_size, max_len or self.config.max_len) for b in self.blocks]
+
+    def _embed(self, tokens: Tensor, caches: list[KVCache] | None) -> Tensor:
+        """tokens (B, T) -> embeddings (B, T, dim), at per-sequence positions (after the cache)."""
+        if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"tokens must be an int64 or int32 tensor of shape (B, T); got {tokens!r:.80}")
+        B, T = tokens.shape
+        if caches is not None:
+            if len(caches) != len(self.blocks):
+                raise ValueError(f"caches must hold one KVCache per layer ({len(self.blocks)}); got {len(caches)}")
+            offset = caches[0].lengths[:, None]
+        else:
+            offset = torch.zeros(B, 1, dtype=torch.int64, device=tokens.device)
+        positions = offset + torch.arange(T, device=tokens.device)  # (B, T)
+        # Checked on the values where compile and export keep it (the embedding lookup must not read past it).
+        torch._assert_async((positions < self.config.max_len).all(), f"sequence longer than max_len={self.config.max_len}")
+        return self.drop(self.tok(tokens) + self.pos(positions))
+
+    def _packing(self, x: Tensor, mask: Tensor | None) -> _Packing | None:
+        """Pack the real tokens when there is padding to skip (eager only: compiled and exported
+        graphs keep static shapes and compute every position)."""
+        if mask is None or _tracing() or bool(mask.all()):
+            return None
+        return _Packing.of(mask)
+
+    def hidden_states(
+        self, tokens: Tensor, key_padding_mask: Tensor | None = None, *, caches: list[KVCache] | None = None
+    ) -> tuple[Tensor, _Packing | None]:
+        """The final hidden states (after ln_f): ((B, T, dim), None), or ((N, dim), packing) for
+        the N real tokens of a padded batch (every per-token operation skips the padding)."""
+        x = self._embed(tokens, caches)  # (B, T, dim)
+        mask = normalize_key_padding_mask(key_padding_mask, x)
+        packing = self._packing(x, mask)
+        if packing is None:
+            for i, block in enumerate(self.blocks):
+                x, _ = block(x, mask, cache=None if caches is None else caches[i])
+            return self.ln_f(x), None
+        h = packing.pack(x)  # (N, dim)
+        for i, block in enumerate(self.blocks):
+            h = block.forward_packed(h, packing, cache=None if caches is None else caches[i])
+        return self.ln_f(h), packing
+
+    def logits(self, h: Tensor) -> Tensor:
+        """Hidden states (..., dim) -> logits (..., V)."""
+        return h @ self.head_weight.t()
 
     def forward(
         self,
@@ -82,24 +256,44 @@ class TinyGPT(nn.Module):
     ) -> Tensor | tuple[Tensor, list[Tensor]]:
         """tokens (B, T) int64 -> logits (B, T, V) [, attention weights per layer (B, H, T, T)].
 
-        With caches, tokens are the new tokens of each sequence and their positions continue
-        from each sequence's own cache length.
+        key_padding_mask (B, T): True (or 1) = real token. Nothing is computed for padding
+        positions: their logits are 0. With caches, tokens are the new tokens of each sequence and
+        their positions continue from each sequence's own cache length.
         """
-        if caches is not None and return_attention:
-            raise ValueError("return_attention is not available with caches (it materialises T x T weights)")
-        B, T = tokens.shape
-        offset = caches[0].lengths[:, None] if caches is not None else torch.zeros(B, 1, dtype=torch.int64, device=tokens.device)
-        positions = offset + torch.arange(T, device=tokens.device)  # (B, T)
-        # Checked on the values where compile and export keep it (the embedding lookup must not read past it).
-        torch._assert_async((positions < self.config.max_len).all(), f"sequence longer than max_len={self.config.max_len}")
-        x = self.tok(tokens) + self.pos(positions)  # (B, T, dim)
-        maps = []
-        for i, block in enumerate(self.blocks):
-            x, w = block(x, key_padding_mask, cache=None if caches is None else caches[i], return_weights=return_attention)
-            if w is not None:
+        if return_attention:
+            if caches is not None:
+                raise ValueError("return_attention is not available with caches (it materialises T x T weights)")
+            x = self._embed(tokens, None)
+            mask = normalize_key_padding_mask(key_padding_mask, x)
+            maps = []
+            for block in self.blocks:
+                x, w = block(x, mask, return_weights=True)
+                assert w is not None
                 maps.append(w)
-        logits = self.ln_f(x) @ self.tok.weight.t()  # (B, T, V), tied head
-        return (logits, maps) if return_attention else logits
+            return self._zero_padding(self.logits(self.ln_f(x)), mask), maps
+        h, packing = self.hidden_states(tokens, key_padding_mask, caches=caches)
+        if packing is not None:
+            return packing.unpack(self.logits(h))  # (B, T, V), zeros at padding
+        logits = self.logits(h)  # (B, T, V)
+        if key_padding_mask is not None:
+            logits = self._zero_padding(logits, normalize_key_padding_mask(key_padding_mask, h))
+        return logits
+
+    @staticmethod
+    def _zero_padding(logits: Tensor, mask: Tensor | None) -> Tensor:
+        return logits if mask is None else logits.masked_fill(~mask[..., None], 0)
+
+    def last_logits(self, tokens: Tensor, lengths: Tensor, *, caches: list[KVCache] | None = None) -> Tensor:
+        """Right-padded tokens (B, T) with real lengths (B,) -> logits at each sequence's last
+        real token (B, V): the head runs on B positions only (prefill for generation)."""
+        B, T = tokens.shape
+        mask = torch.arange(T, device=tokens.device)[None, :] < lengths[:, None]  # (B, T)
+        h, packing = self.hidden_states(tokens, mask, caches=caches)
+        if packing is None:
+            last = h[torch.arange(B, device=h.device), lengths - 1]  # (B, dim)
+        else:
+            last = h.index_select(0, lengths.cumsum(0) - 1)  # (B, dim): packed rows are in (b, t) order
+        return self.logits(last)
 
     @torch.no_grad()
     def generate(
@@ -117,12 +311,17 @@ class TinyGPT(nn.Module):
         """Continues every prompt by up to max_new_tokens tokens, in one ragged batch.
 
         Greedy when top_k is None, else top-k sampling at the temperature. With use_cache the
-        prompts are prefilled right-padded into a KV cache and each step feeds one token per
-        sequence; without it every step recomputes the whole prefix (for comparison).
-        Returns the generated tokens of each prompt (up to and including eos_id).
+        prompts are prefilled right-padded into a KV cache (no left padding; the head runs only at
+        each prompt's last token) and each step feeds one token per sequence; without it every step
+        recomputes the whole prefix (for comparison). Returns the generated tokens of each prompt
+        (up to and including eos_id).
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive int; got {max_new_tokens!r}")
+        if top_k is not None and not 1 <= top_k <= self.config.vocab_size:
+            raise ValueError(f"top_k must be None or in 1..vocab_size={self.config.vocab_size}; got {top_k}")
         device = self.tok.weight.device
         lengths = torch.tensor([len(p) for p in prompts], device=device)  # (B,)
         B, longest = len(prompts), int(lengths.max())
@@ -140,24 +339,23 @@ class TinyGPT(nn.Module):
 
         def record(nxt: Tensor) -> None:
             nonlocal done
-            for b in range(B):
+            for b, token in enumerate(nxt.tolist()):
                 if not done[b]:
-                    out[b].append(int(nxt[b]))
+                    out[b].append(token)
             if eos_id is not None:
                 done = done | (nxt == eos_id)
 
         if use_cache:
             tokens = self._pad(prompts, longest, pad_id)  # (B, longest)
-            mask = torch.arange(longest, device=device)[None, :] < lengths[:, None]  # (B, longest)
             caches = self.make_caches(B, longest + max_new_tokens)
-            logits = self(tokens, mask, caches=caches)  # (B, longest, V)
-            last = logits[torch.arange(B, device=device), lengths - 1]  # (B, V)
+            last = self.last_logits(tokens, lengths, caches=caches)  # (B, V)
             for step in range(max_new_tokens):
                 nxt = choose(last)  # (B,)
                 record(nxt)
                 if bool(done.all()) or step == max_new_tokens - 1:
                     break
-                last = self(nxt[:, None], None, caches=caches)[:, 0]  # (B, V)
+                h, _ = self.hidden_states(nxt[:, None], None, caches=caches)  # (B, 1, dim)
+                last = self.logits(h[:, 0])  # (B, V)
             return out
 
         seqs = [list(p) for p in prompts]
@@ -165,9 +363,7 @@ class TinyGPT(nn.Module):
             n = max(len(s) for s in seqs)
             tokens = self._pad(seqs, n, pad_id)  # (B, n)
             lens = torch.tensor([len(s) for s in seqs], device=device)
-            mask = torch.arange(n, device=device)[None, :] < lens[:, None]  # (B, n)
-            last = self(tokens, mask)[torch.arange(B, device=device), lens - 1]  # (B, V)
-            nxt = choose(last)
+            nxt = choose(self.last_logits(tokens, lens))
             record(nxt)
             for s, t in zip(seqs, nxt.tolist()):
                 s.append(t)
@@ -181,3 +377,58 @@ class TinyGPT(nn.Module):
         for b, s in enumerate(seqs):
             tokens[b, : len(s)] = torch.tensor(s, dtype=torch.int64)
         return tokens
+
+    # Checkpoints: this project's own files, and converters from and to transformers and nanoGPT
+    # (the work is in checkpoints.py).
+
+    def save(self, directory: str | Path) -> None:
+        """Writes model.safetensors and config.json into directory (created if needed)."""
+        from . import checkpoints
+
+        checkpoints.save(self, Path(directory))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> GPT:
+        """A model from save()'s directory: every tensor checked against the config (errors name it)."""
+        from . import checkpoints
+
+        return checkpoints.load(Path(directory))
+
+    @classmethod
+    def from_huggingface(cls, source: Any, *, n_heads: int | None = None) -> GPT:
+        """From transformers' GPT-2: a GPT2LMHeadModel or GPT2Model, its state_dict, or a
+        save_pretrained directory (config.json + model.safetensors, read offline)."""
+        from . import checkpoints
+
+        return checkpoints.from_huggingface(source, n_heads=n_heads)
+
+    def to_huggingface_state_dict(self) -> dict[str, Tensor]:
+        """The weights under GPT2LMHeadModel's names (Conv1D layout: weights (in, out))."""
+        from . import checkpoints
+
+        return checkpoints.to_huggingface_state_dict(self)
+
+    @classmethod
+    def from_nanogpt(cls, source: Any, *, n_heads: int | None = None) -> GPT:
+        """From nanoGPT: the checkpoint dict its train.py saves ('model', 'model_args'), a path to
+        it, or a bare state_dict (``_orig_mod.`` prefixes and ``attn.bias`` buffers handled)."""
+        from . import checkpoints
+
+        return checkpoints.from_nanogpt(source, n_heads=n_heads)
+
+    def to_nanogpt_state_dict(self) -> dict[str, Tensor]:
+        """The weights under nanoGPT's names (GPT.state_dict() of its model.py)."""
+        from . import checkpoints
+
+        return checkpoints.to_nanogpt_state_dict(self)
+
+
+def load_config(path: Path) -> GPTConfig:
+    """GPTConfig from a config.json written by GPT.save (or the demo)."""
+    values = json.loads(path.read_text())
+    values.pop("format", None)
+    return GPTConfig.from_dict(values)
+
+
+#: The demo's small model is a configuration of GPT (``GPTConfig`` defaults); the old name stays.
+TinyGPT = GPT

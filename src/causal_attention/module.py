@@ -57,10 +57,12 @@ class CausalSelfAttention(nn.Module):
         n_heads: number of heads; must divide dim (head_dim = dim // n_heads).
         backend: keyword-only. ``"auto"`` (the compiled C++ engine on CPU, torch's SDPA on CUDA),
             or one of ``"cpp"``, ``"sdpa"``, ``"reference"`` to force one.
+        bias: keyword-only; False makes qkv and proj Linear layers without bias (nanoGPT's
+            ``bias=False``, nn.MultiheadAttention's ``bias=False``).
         device, dtype: keyword-only, for the parameters.
 
     State: ``qkv`` = Linear(dim, 3 * dim) (output split q | k | v) and ``proj`` = Linear(dim, dim);
-    the state_dict holds exactly their weights and biases.
+    the state_dict holds exactly their weights and biases (weights only with ``bias=False``).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class CausalSelfAttention(nn.Module):
         n_heads: int,
         *,
         backend: Backend = "auto",
+        bias: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -83,8 +86,10 @@ class CausalSelfAttention(nn.Module):
         self.n_heads = n_heads
         self.head_dim = dim // n_heads
         self.backend: Backend = backend
-        self.qkv = nn.Linear(dim, 3 * dim, device=device, dtype=dtype)
-        self.proj = nn.Linear(dim, dim, device=device, dtype=dtype)
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be a bool; got {type(bias).__name__}")
+        self.qkv = nn.Linear(dim, 3 * dim, bias=bias, device=device, dtype=dtype)
+        self.proj = nn.Linear(dim, dim, bias=bias, device=device, dtype=dtype)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, n_heads={self.n_heads}, head_dim={self.head_dim}, backend={self.backend!r}"
@@ -140,17 +145,29 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             if return_weights:
                 raise ValueError("return_weights is not available with a cache")
-            return self._forward_cached(x, mask, cache)
+            self._check_cache(cache, x, "x")
+            return self.proj(self.attend(self.qkv(x), mask, cache=cache))  # (B, t, dim)
         qkv = self.qkv(x)  # (B, T, 3 * dim)
         if return_weights:
             y, weights = reference.attention_core(qkv, mask, self.n_heads, return_weights=True)
             assert weights is not None
             return self.proj(y), weights
-        name = backends.select_backend(qkv, self.backend)
-        y = backends.RUN[name](qkv, mask, self.n_heads)  # (B, T, dim)
-        return self.proj(y)  # (B, T, dim)
+        return self.proj(self.attend(qkv, mask))  # (B, T, dim)
 
-    def _check_cache(self, cache: KVCache, x: Tensor) -> None:
+    def attend(self, qkv: Tensor, key_padding_mask: Tensor | None, *, cache: KVCache | None = None) -> Tensor:
+        """The attention between the projections: qkv (B, T, 3 * dim) -> joined heads (B, T, dim).
+
+        key_padding_mask: bool (B, T) or None (as normalised by forward). With a cache (checked by
+        the caller against the shapes), the new keys and values are written and the lengths grow.
+        For callers that make qkv themselves (the GPT computes the projections for real tokens only).
+        """
+        if cache is not None:
+            self._check_cache(cache, qkv, "qkv")
+            return self._attend_cached(qkv, key_padding_mask, cache)
+        name = backends.select_backend(qkv, self.backend)
+        return backends.RUN[name](qkv, key_padding_mask, self.n_heads)  # (B, T, dim)
+
+    def _check_cache(self, cache: KVCache, x: Tensor, x_name: str) -> None:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache; got {type(cache).__name__}")
         expected = (x.shape[0], self.n_heads, cache.max_len, self.head_dim)
@@ -160,11 +177,11 @@ class CausalSelfAttention(nn.Module):
             )
         if cache.k.dtype != x.dtype or cache.k.device != x.device:
             raise ValueError(
-                f"cache must match x's dtype and device ({x.dtype}, {x.device}); got ({cache.k.dtype}, {cache.k.device})"
+                f"cache must match {x_name}'s dtype and device ({x.dtype}, {x.device}); got ({cache.k.dtype}, {cache.k.device})"
             )
         if torch.is_grad_enabled():
             # The cache path has no backward: refuse it while anything could want a gradient.
-            wanting = ["x"] if x.requires_grad else []
+            wanting = [x_name] if x.requires_grad else []
             wanting += [name for name, p in self.named_parameters() if p.requires_grad]
             if wanting:
                 raise ValueError(
@@ -172,15 +189,63 @@ class CausalSelfAttention(nn.Module):
                     "torch.no_grad() or torch.inference_mode()"
                 )
 
-    def _forward_cached(self, x: Tensor, mask: Tensor | None, cache: KVCache) -> Tensor:
-        self._check_cache(cache, x)
+    def _attend_cached(self, qkv: Tensor, mask: Tensor | None, cache: KVCache) -> Tensor:
         start = cache.lengths  # (B,) tokens already in the cache
-        end = backends.cache_end(start, mask, x.shape[1], cache.max_len)  # (B,), checked: right padding, room
-        qkv = self.qkv(x)  # (B, t, 3 * dim)
+        end = backends.cache_end(start, mask, qkv.shape[1], cache.max_len)  # (B,), checked: right padding, room
         if backends.select_backend(qkv, self.backend) == "cpp":
             torch.ops.causal_attention.kv_cache_write(qkv, cache.k, cache.v, start, end, self.n_heads)
             y = torch.ops.causal_attention.decode_attention(qkv, cache.k, cache.v, start, end, self.n_heads)
         else:
             y = backends.cached_attention_torch(qkv, cache, start, end, self.n_heads)  # (B, t, dim)
         cache.lengths.copy_(end)
-        return self.proj(y)  # (B, t, dim)
+        return y  # (B, t, dim)
+
+    @classmethod
+    def from_multihead_attention(cls, mha: nn.MultiheadAttention, *, backend: Backend = "auto") -> CausalSelfAttention:
+        """The layer holding an ``nn.MultiheadAttention``'s weights, copied exactly.
+
+        ``in_proj_weight`` / ``in_proj_bias`` (rows q | k | v) become ``qkv``, ``out_proj`` becomes
+        ``proj``; the new layer equals ``mha(x, x, x, attn_mask=causal, key_padding_mask=~mask)``
+        (batch first). Configurations the layer cannot represent are errors: separate key/value
+        widths (kdim, vdim), ``add_bias_kv``, ``add_zero_attn``. ``bias=False`` is kept.
+        """
+        if not isinstance(mha, nn.MultiheadAttention):
+            raise TypeError(f"mha must be an nn.MultiheadAttention; got {type(mha).__name__}")
+        if not mha._qkv_same_embed_dim:
+            raise ValueError(
+                f"mha: kdim={mha.kdim} / vdim={mha.vdim} differ from embed_dim={mha.embed_dim}; self-attention "
+                "with one fused qkv projection needs kdim == vdim == embed_dim"
+            )
+        if mha.bias_k is not None or mha.bias_v is not None:
+            raise ValueError("mha: add_bias_kv=True (learned extra key and value) cannot be represented by the layer")
+        if mha.add_zero_attn:
+            raise ValueError("mha: add_zero_attn=True (an extra zero key and value) cannot be represented by the layer")
+        has_bias = mha.in_proj_bias is not None
+        if has_bias != (mha.out_proj.bias is not None):
+            raise ValueError("mha: in_proj_bias and out_proj.bias must both be present or both absent")
+        weight = mha.in_proj_weight
+        layer = cls(mha.embed_dim, mha.num_heads, backend=backend, bias=has_bias, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            layer.qkv.weight.copy_(weight)
+            layer.proj.weight.copy_(mha.out_proj.weight)
+            if has_bias:
+                layer.qkv.bias.copy_(mha.in_proj_bias)
+                layer.proj.bias.copy_(mha.out_proj.bias)
+        return layer
+
+    def to_multihead_attention(self) -> nn.MultiheadAttention:
+        """An ``nn.MultiheadAttention(dim, n_heads, batch_first=True)`` holding exact copies of the
+        weights; call it as ``mha(x, x, x, attn_mask=causal, key_padding_mask=~mask)`` with
+        ``causal = torch.ones(T, T, dtype=torch.bool).triu(1)`` (True = not allowed)."""
+        weight = self.qkv.weight
+        has_bias = self.qkv.bias is not None
+        mha = nn.MultiheadAttention(
+            self.dim, self.n_heads, bias=has_bias, batch_first=True, device=weight.device, dtype=weight.dtype
+        )
+        with torch.no_grad():
+            mha.in_proj_weight.copy_(weight)
+            mha.out_proj.weight.copy_(self.proj.weight)
+            if has_bias:
+                mha.in_proj_bias.copy_(self.qkv.bias)
+                mha.out_proj.bias.copy_(self.proj.bias)
+        return mha
