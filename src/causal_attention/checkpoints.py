@@ -401,5 +401,45 @@ def to_nanogpt_state_dict(model: GPT) -> dict[str, Tensor]:
 def nanogpt_model_args(model: GPT) -> dict[str, Any]:
     """The 'model_args' nanoGPT's train.py stores (dropout: attention's; nanoGPT has one rate)."""
     c = model.config
+    if not c.attn_dropout == c.resid_dropout == c.embd_dropout:
+        raise CheckpointError(
+            f"nanoGPT has one dropout rate; this model has attn_dropout={c.attn_dropout}, "
+            f"resid_dropout={c.resid_dropout}, embd_dropout={c.embd_dropout}"
+        )
     return dict(n_layer=c.n_layers, n_head=c.n_heads, n_embd=c.dim, block_size=c.max_len, bias=c.bias,
                 vocab_size=c.vocab_size, dropout=c.attn_dropout)
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m causal_attention convert
+
+
+def convert(src: Path, out: Path, *, source_format: str, target_format: str = "ours", n_heads: int | None = None) -> GPT:
+    """Reads src (huggingface: a save_pretrained directory; nanogpt: a ckpt.pt or state dict file;
+    ours: a GPT.save directory) and writes out in target_format; prints what it wrote."""
+    readers = {
+        "huggingface": lambda: from_huggingface(src, n_heads=n_heads),
+        "nanogpt": lambda: from_nanogpt(src, n_heads=n_heads),
+        "ours": lambda: load(src),
+    }
+    if source_format not in readers:
+        raise ValueError(f"source_format must be one of {sorted(readers)}; got {source_format!r}")
+    model = readers[source_format]()
+    if target_format == "ours":
+        save(model, out)
+        written = [out / "model.safetensors", out / "config.json"]
+    elif target_format == "huggingface":
+        to_huggingface(model).save_pretrained(str(out))
+        written = sorted(out.iterdir())
+    elif target_format == "nanogpt":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        path = out if out.suffix == ".pt" else out / "ckpt.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": to_nanogpt_state_dict(model), "model_args": nanogpt_model_args(model)}, str(path))
+        written = [path]
+    else:
+        raise ValueError(f"target_format must be 'ours', 'huggingface' or 'nanogpt'; got {target_format!r}")
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"read {source_format} {src}: {n_params:,} parameters, {model.config}")
+    print("wrote " + ", ".join(str(p) for p in written))
+    return model

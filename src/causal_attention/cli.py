@@ -1,4 +1,4 @@
-"""``python -m causal_attention {check, bench, demo}``."""
+"""``python -m causal_attention {check, bench, demo, convert}``."""
 
 from __future__ import annotations
 
@@ -78,6 +78,17 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--load", type=Path, default=None, help="answer new problems with a saved model instead")
     demo.add_argument("--n-eval", type=_positive, default=500, help="problems to answer after training or loading")
 
+    convert = sub.add_parser("convert", help="convert a GPT checkpoint between transformers, nanoGPT and this project")
+    convert.add_argument("--from", dest="source_format", choices=("huggingface", "nanogpt", "ours"), required=True,
+                         help="SRC's format: a save_pretrained directory, a nanoGPT ckpt.pt, or a GPT.save directory")
+    convert.add_argument("src", type=Path, help="the checkpoint to read")
+    convert.add_argument("--out", type=Path, required=True, help="where to write")
+    convert.add_argument("--to", dest="target_format", choices=("ours", "huggingface", "nanogpt"), default="ours",
+                         help="ours: model.safetensors + config.json (GPT.load); huggingface: a save_pretrained "
+                         "directory; nanogpt: a ckpt.pt with 'model' and 'model_args' (default: ours)")
+    convert.add_argument("--n-heads", type=_positive, default=None,
+                         help="heads, for a bare state dict without a config (default: width // 64, as every GPT-2)")
+
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -89,6 +100,14 @@ def main(argv: list[str] | None = None) -> None:
         from . import demo as demo_mod
 
         demo_mod.main(steps=args.steps, seed=args.seed, out=args.out, load=args.load, n_eval=args.n_eval)
+    elif args.command == "convert":
+        from . import checkpoints
+
+        try:
+            checkpoints.convert(args.src, args.out, source_format=args.source_format,
+                                target_format=args.target_format, n_heads=args.n_heads)
+        except (checkpoints.CheckpointError, FileNotFoundError, ValueError, TypeError) as exc:
+            parser.exit(2, f"convert: error: {exc}\n")
     elif args.command == "bench":
         from . import bench as bench_mod
 
