@@ -177,3 +177,44 @@ def test_module_entry_point_help_and_a_tiny_run(tmp_path: Path) -> None:
     _check_rows(json.loads((tmp_path / "c.json").read_text()), [(1, 8, 16, 2)])
     result = _run("check", "--shapes", "1,8,15,2", cwd=tmp_path)
     assert result.returncode == 2 and "dim=15 is not divisible by H=2" in result.stderr
+
+
+def test_convert_round_trip_through_every_format(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers -> ours -> nanoGPT -> ours -> transformers: every tensor comes back bitwise, and
+    the converted model's logits equal transformers' at real positions."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from causal_attention.gpt import GPT
+
+    torch.manual_seed(3)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=53, n_positions=24,
+                                     activation_function="gelu", bos_token_id=0, eos_token_id=0)
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    hf.save_pretrained(str(tmp_path / "hf"))
+    steps = [("huggingface", "hf", "ours", "a"), ("ours", "a", "nanogpt", "nano"), ("nanogpt", "nano/ckpt.pt", "ours", "b"),
+             ("ours", "b", "huggingface", "hf2")]
+    for source, src, target, out in steps:
+        cli.main(["convert", "--from", source, str(tmp_path / src), "--to", target, "--out", str(tmp_path / out)])
+        assert "wrote" in capsys.readouterr().out
+    before, after = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "hf2" / "model.safetensors"))
+    assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before)
+    model = GPT.load(tmp_path / "b").eval()
+    tokens = torch.randint(0, 53, (2, 9))
+    mask = torch.tensor([[True] * 9, [True] * 4 + [False] * 5])
+    with torch.no_grad():
+        ours, theirs = model(tokens, mask), hf(tokens, attention_mask=mask.long()).logits
+    assert (ours - theirs)[mask].abs().max() < 1e-4
+
+
+def test_convert_errors_name_the_problem(tmp_path: Path) -> None:
+    """A missing source, and a model nanoGPT cannot hold (tanh GELU), exit with code 2 and say why."""
+    missing = subprocess.run([sys.executable, "-m", "causal_attention", "convert", "--from", "nanogpt",
+                              str(tmp_path / "none.pt"), "--out", str(tmp_path / "x")], capture_output=True, text=True)
+    assert missing.returncode == 2 and "none.pt" in missing.stderr
+    from causal_attention.gpt import GPT, GPTConfig
+
+    GPT(GPTConfig(vocab_size=11, max_len=8, dim=16, n_layers=1, n_heads=2, activation="gelu_tanh")).save(tmp_path / "m")
+    tanh = subprocess.run([sys.executable, "-m", "causal_attention", "convert", "--from", "ours", str(tmp_path / "m"),
+                           "--to", "nanogpt", "--out", str(tmp_path / "n")], capture_output=True, text=True)
+    assert tanh.returncode == 2 and "exact GELU" in tanh.stderr and not (tmp_path / "n").exists()

@@ -432,10 +432,10 @@ def convert(src: Path, out: Path, *, source_format: str, target_format: str = "o
         to_huggingface(model).save_pretrained(str(out))
         written = sorted(out.iterdir())
     elif target_format == "nanogpt":
-        out.parent.mkdir(parents=True, exist_ok=True)
+        checkpoint = {"model": to_nanogpt_state_dict(model), "model_args": nanogpt_model_args(model)}
         path = out if out.suffix == ".pt" else out / "ckpt.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": to_nanogpt_state_dict(model), "model_args": nanogpt_model_args(model)}, str(path))
+        torch.save(checkpoint, str(path))
         written = [path]
     else:
         raise ValueError(f"target_format must be 'ours', 'huggingface' or 'nanogpt'; got {target_format!r}")
