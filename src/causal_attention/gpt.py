@@ -275,7 +275,7 @@ class GPT(nn.Module):
         if packing is not None:
             return packing.unpack(self.logits(h))  # (B, T, V), zeros at padding
         logits = self.logits(h)  # (B, T, V)
-        if key_padding_mask is not None:
+        if key_padding_mask is not None and _tracing():  # eager: no padding here (else it was packed)
             logits = self._zero_padding(logits, normalize_key_padding_mask(key_padding_mask, h))
         return logits
 
