@@ -357,8 +357,8 @@ def test_directory_errors(tmp_path):
 
 @pytest.mark.parametrize(
     "overrides",
-    [dict(), dict(tie_head=False), dict(activation="gelu", mlp_hidden=96)],
-    ids=["tied", "untied", "gelu-mlp96"],
+    [dict(), dict(tie_head=False), dict(activation="gelu", mlp_hidden=96, layer_norm_eps=1e-6)],
+    ids=["tied", "untied", "gelu-mlp96-eps"],
 )
 def test_round_trip_through_transformers_is_bitwise(overrides):
     config = GPTConfig.gpt2(vocab_size=101, max_len=32, dim=64, n_layers=2, n_heads=4, **overrides)
@@ -662,13 +662,17 @@ def test_load_errors_name_the_file_or_tensor(tmp_path):
         GPT.load(tmp_path)
 
 
-def test_demo_config_with_mlp_ratio_loads(tmp_path):
-    """config.json as the demo wrote it before GPTConfig had mlp_hidden (mlp_ratio)."""
-    config = GPTConfig(vocab_size=37, max_len=24, dim=32, n_layers=2, n_heads=4)
+@pytest.mark.parametrize("ratio", [4, 2])
+def test_demo_config_with_mlp_ratio_loads(tmp_path, ratio):
+    """A directory as the demo wrote it before GPTConfig had mlp_hidden: config.json with mlp_ratio,
+    weights by safetensors' save_model."""
+    from safetensors.torch import save_model
+
+    config = GPTConfig(vocab_size=37, max_len=24, dim=32, n_layers=2, n_heads=4, mlp_hidden=None if ratio == 4 else 64)
     model = perturb_(GPT(config), 0.05)
-    model.save(tmp_path)
-    old = {"vocab_size": 37, "max_len": 24, "dim": 32, "n_layers": 2, "n_heads": 4, "mlp_ratio": 4}
-    (tmp_path / "config.json").write_text(json.dumps(old))
+    save_model(model, str(tmp_path / "model.safetensors"))
+    old = {"vocab_size": 37, "max_len": 24, "dim": 32, "n_layers": 2, "n_heads": 4, "mlp_ratio": ratio}
+    (tmp_path / "config.json").write_text(json.dumps(old, indent=2))
     back = GPT.load(tmp_path)
     assert back.config == config
     states_equal(back.state_dict(), model.state_dict())
