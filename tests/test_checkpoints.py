@@ -343,6 +343,24 @@ def test_sharded_save_pretrained_directory_is_read(tmp_path):
     states_equal(GPT.from_huggingface(tmp_path).state_dict(), GPT.from_huggingface(hf).state_dict())
 
 
+def test_hub_layout_directory_is_read(tmp_path):
+    """The layout of the gpt2 repository's model.safetensors: GPT2Model names (no 'transformer.'),
+    no lm_head, causal-mask buffers h.{i}.attn.bias (1, 1, n_positions, n_positions) and
+    h.{i}.attn.masked_bias."""
+    from safetensors.torch import save_file
+
+    hf = hf_model(small_hf_config(), F32)
+    state = {k.removeprefix("transformer."): v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    for i in range(2):
+        state[f"h.{i}.attn.bias"] = torch.ones(64, 64).tril()[None, None]
+        state[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    hf.config.to_json_file(str(tmp_path / "config.json"))
+    model = GPT.from_huggingface(tmp_path)
+    states_equal(model.state_dict(), GPT.from_huggingface(hf).state_dict())
+    assert model.tok.weight.data_ptr() != hf.transformer.wte.weight.data_ptr()  # a copy
+
+
 def test_directory_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a directory"):
         GPT.from_huggingface(tmp_path / "nowhere")
