@@ -374,6 +374,9 @@ def from_nanogpt(source: Any, *, n_heads: int | None = None) -> GPT:
         unknown = sorted(set(args) - _NANO_ARGS)
         if unknown:
             raise CheckpointError(f"{name}: unknown model_args {unknown} (nanoGPT's are {sorted(_NANO_ARGS)})")
+        lacking = sorted(_NANO_ARGS - {"bias", "dropout"} - set(args))  # bias and dropout have defaults
+        if lacking:
+            raise CheckpointError(f"{name}: model_args lacks {lacking} (nanoGPT's are {sorted(_NANO_ARGS)})")
         if n_heads is not None and n_heads != args.get("n_head"):
             raise CheckpointError(f"n_heads={n_heads} contradicts model_args n_head={args.get('n_head')}")
         n_embd, n_head = int(args["n_embd"]), int(args["n_head"])
