@@ -594,6 +594,16 @@ def test_nanogpt_mismatches_name_the_key_or_option():
         GPT.from_nanogpt(ckpt)
 
     ckpt = _nano_checkpoint()
+    del ckpt["model_args"]["n_embd"]
+    with pytest.raises(CheckpointError, match="model_args lacks \\['n_embd'\\]"):
+        GPT.from_nanogpt(ckpt)
+
+    ckpt = _nano_checkpoint()
+    ckpt["model_args"]["block_size"] = 32  # the checkpoint has 64 positions
+    with pytest.raises(CheckpointError, match=re.escape("'transformer.wpe.weight' has shape (64, 64); the model expects (32, 64)")):
+        GPT.from_nanogpt(ckpt)
+
+    ckpt = _nano_checkpoint()
     ckpt["model"]["_orig_mod.transformer.h.0.attn.rotary.inv_freq"] = torch.zeros(8)
     with pytest.raises(CheckpointError, match=re.escape("transformer.h.0.attn.rotary.inv_freq")):
         GPT.from_nanogpt(ckpt)
