@@ -83,6 +83,16 @@ def ours_logits(model: GPT, tokens: Tensor, mask: Tensor) -> Tensor:
         return model(tokens, mask)
 
 
+def generating_hf(dtype: torch.dtype, **overrides: Any) -> Any:
+    """A small GPT2LMHeadModel whose greedy continuations are varied (larger weights) and never
+    reach eos (token 100): its tied embedding row is zero, so its logit is 0 while the largest of
+    the others is positive."""
+    hf = hf_model(small_hf_config(initializer_range=0.3, **overrides), dtype)
+    with torch.no_grad():
+        hf.transformer.wte.weight[100] = 0
+    return hf
+
+
 def hf_generate(hf: Any, prompts: list[list[int]], n: int, eos: int) -> list[list[int]]:
     """transformers' greedy generate, one prompt at a time (no padding needed)."""
     out = []
@@ -239,17 +249,18 @@ def test_gpt2_124m_generation_matches_transformers(gpt2_124m):
 
 @pytest.mark.parametrize("dtype", [F64, F32], ids=["f64", "f32"])
 def test_gpt2_greedy_generation_matches_transformers(dtype):
-    hf = hf_model(small_hf_config(initializer_range=0.1), dtype)
+    hf = generating_hf(dtype)
     model = GPT.from_huggingface(hf).eval()
     prompts = [[5, 17, 3, 99, 42], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [60, 61, 62]]
     expected = hf_generate(hf, prompts, 32, 100)
+    assert [len(g) for g in expected] == [32] * 4
     assert model.generate(prompts, 32, eos_id=100) == expected
     assert model.generate(prompts, 32, eos_id=100, use_cache=False) == expected
 
 
 def test_gpt2_generation_stops_at_eos_as_transformers_does():
     """An eos token the model does produce: both stop right after it, per sequence."""
-    hf = hf_model(small_hf_config(initializer_range=0.1))
+    hf = hf_model(small_hf_config(initializer_range=0.3))
     model = GPT.from_huggingface(hf).eval()
     prompts = [[5, 17, 3, 99, 42], [7], [60, 61, 62]]
     free = model.generate(prompts, 16, eos_id=None)
@@ -260,7 +271,7 @@ def test_gpt2_generation_stops_at_eos_as_transformers_does():
 
 
 def test_top_k_sampling_is_reproducible_and_stays_in_the_top_k():
-    hf = hf_model(small_hf_config(initializer_range=0.1))
+    hf = hf_model(small_hf_config(initializer_range=0.3))
     model = GPT.from_huggingface(hf).eval()
     prompts = [[5, 17, 3], [7], [60, 61, 62, 63, 64, 65]]
     k = 5
@@ -515,7 +526,7 @@ def nano_hf(dtype: torch.dtype = F64, **overrides: Any) -> Any:
 
 @pytest.mark.parametrize("dtype", [F64, F32], ids=["f64", "f32"])
 def test_nanogpt_matches_transformers(dtype):
-    hf = nano_hf(dtype, initializer_range=0.1)
+    hf = generating_hf(dtype, activation_function="gelu")
     model = GPT.from_nanogpt(nanogpt_checkpoint(hf)).eval()
     assert model.config.activation == "gelu" and model.config.n_heads == 4
     assert model.tok.weight.dtype == dtype
@@ -523,7 +534,9 @@ def test_nanogpt_matches_transformers(dtype):
     err = rel_err(ours_logits(model, tokens, mask)[mask], hf_logits(hf, tokens, mask)[mask])
     assert err <= PARITY_TOL[dtype], err
     prompts = [[5, 17, 3, 99, 42], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [60, 61, 62]]
-    assert model.generate(prompts, 32, eos_id=100) == hf_generate(hf, prompts, 32, 100)
+    expected = hf_generate(hf, prompts, 32, 100)
+    assert [len(g) for g in expected] == [32] * 4
+    assert model.generate(prompts, 32, eos_id=100) == expected
 
 
 def test_nanogpt_checkpoint_file_and_prefixes(tmp_path):
