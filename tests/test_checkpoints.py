@@ -409,6 +409,21 @@ def test_to_huggingface_state_dict_equals_transformers_state_dict(tie):
     assert torch.equal(ours["lm_head.weight"], ours["transformer.wte.weight"]) is tie
 
 
+def test_half_precision_checkpoints_stay_bitwise():
+    hf = hf_model(small_hf_config(), torch.bfloat16)
+    model = GPT.from_huggingface(hf)
+    assert model.tok.weight.dtype == torch.bfloat16
+    states_equal(to_huggingface_state_dict(model), hf.state_dict())
+
+
+def test_to_huggingface_passes_the_attention_implementation():
+    model = perturb_(GPT(GPTConfig.gpt2(vocab_size=101, max_len=32, dim=64, n_layers=2, n_heads=4)).double()).eval()
+    hf = to_huggingface(model, attn_implementation="eager").eval()
+    assert hf.config._attn_implementation == "eager"
+    tokens, mask = right_padded([32, 20, 3], 101)
+    assert rel_err(hf_logits(hf, tokens, mask)[mask], ours_logits(model, tokens, mask)[mask]) <= 1e-10
+
+
 def test_to_huggingface_refuses_bias_false():
     model = GPT(GPTConfig(vocab_size=11, max_len=8, dim=16, n_layers=1, n_heads=2, bias=False))
     with pytest.raises(CheckpointError, match="bias=False"):
