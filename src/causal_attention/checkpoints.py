@@ -39,9 +39,11 @@ class CheckpointError(ValueError):
 # Loading a state dict into a GPT: strict, with errors that name the tensor.
 
 
-def load_strict(model: GPT, state: Mapping[str, Tensor], *, source: str) -> GPT:
+def load_strict(model: GPT, state: Mapping[str, Tensor], *, source: str,
+                origin: Mapping[str, tuple[str, bool]] | None = None) -> GPT:
     """Copies state (our names) into model; every tensor must be present, of the right shape, and
-    nothing else may be there. Returns model."""
+    nothing else may be there. Returns model. origin maps our names to the checkpoint's (key,
+    transposed), so that an error names the tensor as the checkpoint has it."""
     expected = {name: p for name, p in model.state_dict().items()}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -51,12 +53,16 @@ def load_strict(model: GPT, state: Mapping[str, Tensor], *, source: str) -> GPT:
         raise CheckpointError(f"{source}: unexpected tensor(s) {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
     for name, target in expected.items():
         value = state[name]
+        key, transposed = (repr(origin[name][0]), origin[name][1]) if origin and name in origin else (name, False)
         if not isinstance(value, Tensor):
-            raise CheckpointError(f"{source}: {name} is a {type(value).__name__}, not a tensor")
+            raise CheckpointError(f"{source}: {key} is a {type(value).__name__}, not a tensor")
         if tuple(value.shape) != tuple(target.shape):
-            raise CheckpointError(f"{source}: {name} has shape {tuple(value.shape)}; the model expects {tuple(target.shape)}")
+            shape, want = tuple(value.shape), tuple(target.shape)
+            if transposed:  # shown in the checkpoint's layout
+                shape, want = shape[::-1], want[::-1]
+            raise CheckpointError(f"{source}: {key} has shape {shape}; the model expects {want}")
         if not value.is_floating_point():
-            raise CheckpointError(f"{source}: {name} has dtype {value.dtype}; expected a floating-point tensor")
+            raise CheckpointError(f"{source}: {key} has dtype {value.dtype}; expected a floating-point tensor")
     with torch.no_grad():
         for name, target in expected.items():
             target.copy_(state[name])
@@ -180,9 +186,11 @@ def _names(config: GPTConfig, *, transpose: bool) -> list[tuple[str, str, bool]]
 
 
 def _rename(state: Mapping[str, Tensor], config: GPTConfig, *, transpose: bool, prefix: str, source: str,
-            head_key: str, ignore: re.Pattern[str] | None) -> dict[str, Tensor]:
-    """Their state (with prefix) -> ours; unexpected and missing keys are errors naming them."""
+            head_key: str, ignore: re.Pattern[str] | None) -> tuple[dict[str, Tensor], dict[str, tuple[str, bool]]]:
+    """Their state (with prefix) -> (ours, origin: our name -> (their key, transposed)); unexpected
+    and missing keys are errors naming them."""
     ours: dict[str, Tensor] = {}
+    origin: dict[str, tuple[str, bool]] = {}
     used: set[str] = set()
     for mine, theirs, t in _names(config, transpose=transpose):
         key = prefix + theirs
@@ -190,6 +198,7 @@ def _rename(state: Mapping[str, Tensor], config: GPTConfig, *, transpose: bool, 
             raise CheckpointError(f"{source}: missing tensor {key!r}")
         value = state[key]
         ours[mine] = value.t() if t else value
+        origin[mine] = (key, t)
         used.add(key)
     if head_key in state:
         used.add(head_key)
@@ -199,12 +208,13 @@ def _rename(state: Mapping[str, Tensor], config: GPTConfig, *, transpose: bool, 
                 raise CheckpointError(f"{source}: {head_key!r} differs from {prefix}wte.weight but the head is tied")
         else:
             ours["head.weight"] = head
+            origin["head.weight"] = (head_key, False)
     elif not config.tie_head:
         raise CheckpointError(f"{source}: missing tensor {head_key!r} (the head is not tied)")
     unexpected = sorted(k for k in state if k not in used and not (ignore is not None and ignore.search(k)))
     if unexpected:
         raise CheckpointError(f"{source}: unexpected tensor(s) {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
-    return ours
+    return ours, origin
 
 
 # GPT-2 checkpoints written by older transformers hold the causal mask as buffers.
@@ -297,9 +307,9 @@ def from_huggingface(source: Any, *, n_heads: int | None = None) -> GPT:
     if not config.bias:
         raise CheckpointError(f"{name}: GPT-2 has biases everywhere; ln_f.bias is missing")
     _check_mask_buffers(state, _HF_BUFFERS, name)
-    ours = _rename(state, config, transpose=True, prefix=prefix, source=name, head_key="lm_head.weight",
+    ours, origin = _rename(state, config, transpose=True, prefix=prefix, source=name, head_key="lm_head.weight",
                    ignore=_HF_BUFFERS)
-    return load_strict(_model_like(config, ours), ours, source=name)
+    return load_strict(_model_like(config, ours), ours, source=name, origin=origin)
 
 
 def to_huggingface_state_dict(model: GPT) -> dict[str, Tensor]:
@@ -364,6 +374,9 @@ def from_nanogpt(source: Any, *, n_heads: int | None = None) -> GPT:
         unknown = sorted(set(args) - _NANO_ARGS)
         if unknown:
             raise CheckpointError(f"{name}: unknown model_args {unknown} (nanoGPT's are {sorted(_NANO_ARGS)})")
+        lacking = sorted(_NANO_ARGS - {"bias", "dropout"} - set(args))  # bias and dropout have defaults
+        if lacking:
+            raise CheckpointError(f"{name}: model_args lacks {lacking} (nanoGPT's are {sorted(_NANO_ARGS)})")
         if n_heads is not None and n_heads != args.get("n_head"):
             raise CheckpointError(f"n_heads={n_heads} contradicts model_args n_head={args.get('n_head')}")
         n_embd, n_head = int(args["n_embd"]), int(args["n_head"])
@@ -378,9 +391,9 @@ def from_nanogpt(source: Any, *, n_heads: int | None = None) -> GPT:
     if prefix + "lm_head.weight" in state:
         raise CheckpointError(f"{name}: unexpected tensor 'transformer.lm_head.weight'")
     _check_mask_buffers(state, _NANO_BUFFERS, name)
-    ours = _rename(state, config, transpose=False, prefix=prefix, source=name, head_key="lm_head.weight",
+    ours, origin = _rename(state, config, transpose=False, prefix=prefix, source=name, head_key="lm_head.weight",
                    ignore=_NANO_BUFFERS)
-    return load_strict(_model_like(config, ours), ours, source=name)
+    return load_strict(_model_like(config, ours), ours, source=name, origin=origin)
 
 
 def to_nanogpt_state_dict(model: GPT) -> dict[str, Tensor]:
