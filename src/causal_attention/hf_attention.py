@@ -24,7 +24,6 @@ Importing this module does not import transformers; ``register`` does.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 from typing import Any
@@ -42,10 +41,14 @@ DEFAULT_NAME = "causal_attention"
 _UNSERVED_KWARGS = ("softcap", "sliding_window", "position_bias", "s_aux", "sinks", "head_mask", "output_attentions")
 
 
-@functools.cache
+# The engine's core takes attention dropout once it has a dropout_p= keyword (read once, here).
+ENGINE_DROPOUT: bool = "dropout_p" in inspect.signature(_ops.attention).parameters
+
+
 def engine_supports_dropout() -> bool:
-    """True when the engine's core (``_ops.attention``) takes a ``dropout_p=`` keyword."""
-    return "dropout_p" in inspect.signature(_ops.attention).parameters
+    """True when the engine's core (``_ops.attention``) takes a ``dropout_p=`` keyword: then
+    training-mode attention dropout runs in the engine, else such calls fall back to sdpa."""
+    return ENGINE_DROPOUT
 
 
 def key_padding_mask(
