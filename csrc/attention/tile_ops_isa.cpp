@@ -330,6 +330,45 @@ void round_to_input([[maybe_unused]] acc_t* x, [[maybe_unused]] int64_t ld, [[ma
   }
 }
 
+// Dropout of a tile: the Philox words of four query rows (one call) for a chunk of columns, then
+// each row of that group of four. Both loops have no branch and vectorise over the columns.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void dropout(acc_t* x, int64_t ld, int64_t rows, int64_t cols, const philox::Dropout& d, uint64_t bh, int64_t row0,
+             int64_t col0) {
+  constexpr int64_t kChunk = 64;
+  alignas(64) uint32_t bits[4][kChunk];
+  const auto k0 = static_cast<uint32_t>(d.seed);
+  const auto k1 = static_cast<uint32_t>(d.seed >> 32);
+  const auto c2 = static_cast<uint32_t>(bh);
+  const auto c3 = static_cast<uint32_t>(bh >> 32);
+  const uint32_t threshold = d.threshold;
+  const auto keep_scale = static_cast<acc_t>(d.keep_scale);
+  for (int64_t i = 0; i < rows;) {
+    const int64_t group = (row0 + i) >> 2;                        // query rows 4 * group .. 4 * group + 3
+    const int64_t i_end = std::min(rows, 4 * (group + 1) - row0);  // this tile's rows of the group
+    for (int64_t j0 = 0; j0 < cols; j0 += kChunk) {
+      const int64_t n = std::min(kChunk, cols - j0);
+      const auto c0 = static_cast<uint32_t>(col0 + j0);
+      for (int64_t jj = 0; jj < kChunk; ++jj) {
+        uint32_t out[4];
+        philox::philox4x32_10(c0 + static_cast<uint32_t>(jj), static_cast<uint32_t>(group), c2, c3, k0, k1, out);
+        bits[0][jj] = out[0];
+        bits[1][jj] = out[1];
+        bits[2][jj] = out[2];
+        bits[3][jj] = out[3];
+      }
+      for (int64_t r = i; r < i_end; ++r) {
+        const uint32_t* word = bits[(row0 + r) & 3];
+        acc_t* xr = x + r * ld + j0;
+        for (int64_t jj = 0; jj < n; ++jj) {
+          xr[jj] = word[jj] >= threshold ? xr[jj] * keep_scale : acc_t(0);
+        }
+      }
+    }
+    i = i_end;
+  }
+}
+
 // W values of src as acc_t: a plain load, or bfloat16/half widened to float32.
 template <typename acc_t, typename scalar_t>
 inline Vec<acc_t> load_acc(const scalar_t* src) {
@@ -529,6 +568,7 @@ TileOps<scalar_t> make_tile_ops() {
   ops.probabilities = &probabilities<scalar_t>;
   ops.score_grad = &score_grad<scalar_t>;
   ops.round_to_input = &round_to_input<scalar_t>;
+  ops.dropout = &dropout<scalar_t>;
   ops.bf16_scores = nullptr;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {

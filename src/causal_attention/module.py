@@ -57,6 +57,10 @@ class CausalSelfAttention(nn.Module):
         n_heads: number of heads; must divide dim (head_dim = dim // n_heads).
         backend: keyword-only. ``"auto"`` (the compiled C++ engine on CPU, torch's SDPA on CUDA),
             or one of ``"cpp"``, ``"sdpa"``, ``"reference"`` to force one.
+        dropout: keyword-only. Attention-weight dropout probability in [0, 1), applied in training
+            mode only (``P * keep / (1 - dropout)``, as nn.MultiheadAttention); 0 (the default) and
+            eval mode are exact. The C++ engine draws one seed per call from torch's default
+            generator, so ``torch.manual_seed`` reproduces a run, for any thread count.
         device, dtype: keyword-only, for the parameters.
 
     State: ``qkv`` = Linear(dim, 3 * dim) (output split q | k | v) and ``proj`` = Linear(dim, dim);
@@ -69,6 +73,7 @@ class CausalSelfAttention(nn.Module):
         n_heads: int,
         *,
         backend: Backend = "auto",
+        dropout: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -79,6 +84,11 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"CausalSelfAttention: dim (got {dim}) must be divisible by n_heads (got {n_heads})")
         if backend != "auto" and backend not in backends.BACKENDS:
             raise ValueError(f"backend must be one of {('auto',) + backends.BACKENDS}; got {backend!r}")
+        if not isinstance(dropout, (int, float)) or isinstance(dropout, bool):
+            raise TypeError(f"dropout must be a float in [0, 1); got {type(dropout).__name__} {dropout!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a probability in [0, 1); got {dropout}")
+        self.dropout = float(dropout)
         self.dim = dim
         self.n_heads = n_heads
         self.head_dim = dim // n_heads
@@ -87,7 +97,8 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(dim, dim, device=device, dtype=dtype)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, n_heads={self.n_heads}, head_dim={self.head_dim}, backend={self.backend!r}"
+        extra = f", dropout={self.dropout}" if self.dropout else ""
+        return f"dim={self.dim}, n_heads={self.n_heads}, head_dim={self.head_dim}, backend={self.backend!r}{extra}"
 
     def _check_x(self, x: Tensor) -> None:
         if not isinstance(x, Tensor):
@@ -142,12 +153,16 @@ class CausalSelfAttention(nn.Module):
                 raise ValueError("return_weights is not available with a cache")
             return self._forward_cached(x, mask, cache)
         qkv = self.qkv(x)  # (B, T, 3 * dim)
+        dropout_p = self.dropout if self.training else 0.0
         if return_weights:
-            y, weights = reference.attention_core(qkv, mask, self.n_heads, return_weights=True)
+            keep = backends.dropout_keep(qkv, self.n_heads, dropout_p) if dropout_p > 0 else None  # (B, H, T, T)
+            y, weights = reference.attention_core(
+                qkv, mask, self.n_heads, return_weights=True, dropout_p=dropout_p, keep=keep
+            )
             assert weights is not None
             return self.proj(y), weights
         name = backends.select_backend(qkv, self.backend)
-        y = backends.RUN[name](qkv, mask, self.n_heads)  # (B, T, dim)
+        y = backends.RUN[name](qkv, mask, self.n_heads, dropout_p)  # (B, T, dim)
         return self.proj(y)  # (B, T, dim)
 
     def _check_cache(self, cache: KVCache, x: Tensor) -> None:
