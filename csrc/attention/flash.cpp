@@ -176,7 +176,8 @@ void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, 
           acc_ops.softmax_tile(s.data_ptr<acc_t>(), cols, rows, cols, scale, causal_offset, key_mask, m + r0, l + r0,
                                alpha + r0, buf);
           if (drop.has_value()) {  // after the row sums: they are the softmax's, before dropout
-            acc_ops.dropout(s.data_ptr<acc_t>(), cols, rows, cols, *drop, static_cast<uint64_t>(bh), q0 + r0, k0);
+            acc_ops.dropout(s.data_ptr<acc_t>(), nullptr, cols, rows, cols, *drop, static_cast<uint64_t>(bh), q0 + r0,
+                            k0);
           }
           ops.round_to_input(s.data_ptr<acc_t>(), cols, rows, cols);  // P as an input-type operand (entries <= 1)
           at::Tensor pv_tile = tile(pv, rows, g.hd);                   // (rows, hd)
@@ -234,8 +235,6 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
     // with dropout, P_drop.
     const bool p_copy = kReduced<scalar_t> || drop.has_value();
     const at::Tensor p_in_ws = p_copy ? at::empty({kBwdBlockQ * kBwdBlockK}, acc_options) : at::Tensor();
-    // Dropout: keep / (1 - p) of the tile (0 or 1 / (1 - p)), made once for P_drop and dP.
-    const at::Tensor keep_ws = drop.has_value() ? at::empty({kBwdBlockQ * kBwdBlockK}, acc_options) : at::Tensor();
     const at::Tensor pack = dot_bf16 ? at::empty({(g.hd / 2) * (kBwdBlockK + 32)}, acc_options.dtype(at::kInt))
                                      : at::Tensor();
     uint32_t* pack_ptr = dot_bf16 ? reinterpret_cast<uint32_t*>(pack.data_ptr<int32_t>()) : nullptr;
@@ -295,26 +294,19 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
             score_tile<scalar_t>(p, q, kc, seq_in + (q0 + r0) * ld + h * g.hd, ld, seq_in + k0 * ld + g.dim + h * g.hd,
                                  ld, pack_ptr);
             acc_ops.probabilities(p.data_ptr<acc_t>(), cols, rows, cols, scale, causal_offset, key_mask, lse_rows);
-            at::Tensor p_in = p;
-            at::Tensor keep;
-            if (drop.has_value()) {
-              keep = tile(keep_ws, rows, cols).fill_(1);
-              acc_ops.dropout(keep.data_ptr<acc_t>(), cols, rows, cols, *drop, static_cast<uint64_t>(bh), q0 + r0, k0);
-              p_in = tile(p_in_ws, rows, cols);
-              at::mul_out(p_in, p, keep);  // P_drop
-            } else if constexpr (kReduced<scalar_t>) {
-              p_in = tile(p_in_ws, rows, cols).copy_(p);
+            // dP = dO v^T
+            score_tile<scalar_t>(dp, dO, vc, dout_seq_in + (q0 + r0) * g.dim + h * g.hd, g.dim,
+                                 seq_in + k0 * ld + 2 * g.dim + h * g.hd, ld, pack_ptr);
+            const at::Tensor p_in = p_copy ? tile(p_in_ws, rows, cols).copy_(p) : p;
+            if (drop.has_value()) {  // P_drop = P * keep / (1 - p) and dP_drop = dP * keep / (1 - p)
+              acc_ops.dropout(p_in.data_ptr<acc_t>(), dp.data_ptr<acc_t>(), cols, rows, cols, *drop,
+                              static_cast<uint64_t>(bh), q0 + r0, k0);
             }
             if constexpr (kReduced<scalar_t>) {
               ops.round_to_input(p_in.data_ptr<acc_t>(), cols, rows, cols);
             }
             accumulate_product(dv_acc, g.hd, p_in.t(), dO);  // dV += P_drop^T dO
-            // dS = scale * P (dO v^T - delta), rounded to the input type for the products that follow
-            score_tile<scalar_t>(dp, dO, vc, dout_seq_in + (q0 + r0) * g.dim + h * g.hd, g.dim,
-                                 seq_in + k0 * ld + 2 * g.dim + h * g.hd, ld, pack_ptr);
-            if (drop.has_value()) {
-              dp.mul_(keep);  // dP_drop = dO v^T * keep / (1 - p)
-            }
+            // dS = scale * P (dP_drop - delta), rounded to the input type for the products that follow
             acc_ops.score_grad(dp.data_ptr<acc_t>(), p.data_ptr<acc_t>(), cols, rows, cols, scale, delta_rows, g.H);
             ops.round_to_input(dp.data_ptr<acc_t>(), cols, rows, cols);
             accumulate_product(dq_acc + (q0 + r0) * g.hd, g.hd, dp, kc);  // dQ += dS K

@@ -74,8 +74,9 @@ struct TileOps {
                      const acc_t* delta, int64_t delta_stride);
 
   // Attention-weight dropout of a tile (acc_t, rows x cols, ld) whose element (i, j) is the weight
-  // (bh, row0 + i, col0 + j): x = keep ? x * keep_scale : 0, the keep decisions of philox.h.
-  void (*dropout)(acc_t* x, int64_t ld, int64_t rows, int64_t cols, const philox::Dropout& d, uint64_t bh,
+  // (bh, row0 + i, col0 + j): x = keep ? x * keep_scale : 0, the keep decisions of philox.h; the
+  // same for y (the same layout) unless it is nullptr (the backward drops P and dP together).
+  void (*dropout)(acc_t* x, acc_t* y, int64_t ld, int64_t rows, int64_t cols, const philox::Dropout& d, uint64_t bh,
                   int64_t row0, int64_t col0);
 };
 
