@@ -14,6 +14,11 @@ int64_t checked_dim(int64_t dim, int64_t n_heads) {
                     ") must be divisible by n_heads (got ", n_heads, ")");
   return dim;
 }
+
+double checked_dropout(double dropout) {
+  check_dropout(dropout);
+  return dropout;
+}
 }  // namespace
 
 KVCache::KVCache(int64_t batch_size, int64_t n_heads, int64_t head_dim, int64_t max_len,
@@ -26,8 +31,8 @@ KVCache::KVCache(int64_t batch_size, int64_t n_heads, int64_t head_dim, int64_t 
   lengths = at::zeros({batch_size}, options.dtype(at::kLong));
 }
 
-CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t dim, int64_t n_heads)
-    : dim_(checked_dim(dim, n_heads)), n_heads_(n_heads) {
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t dim, int64_t n_heads, double dropout)
+    : dim_(checked_dim(dim, n_heads)), n_heads_(n_heads), dropout_(checked_dropout(dropout)) {
   qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(dim, 3 * dim).bias(true)));
   proj = register_module("proj", torch::nn::Linear(torch::nn::LinearOptions(dim, dim).bias(true)));
 }
@@ -70,7 +75,8 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, const std::opti
   check_x(x);
   const auto mask = normalize_key_padding_mask(key_padding_mask, x);  // (B, T) bool or none
   const auto qkv_out = qkv->forward(x);                                // (B, T, 3 * dim)
-  const auto heads = attention(qkv_out, mask, n_heads_);               // (B, T, dim)
+  const double dropout_p = is_training() ? dropout_ : 0.0;
+  const auto heads = attention(qkv_out, mask, n_heads_, dropout_p);    // (B, T, dim)
   return proj->forward(heads);                                         // (B, T, dim)
 }
 

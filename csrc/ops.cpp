@@ -1,8 +1,9 @@
 // Registers the engine's operators with the dispatcher: torch.ops.causal_attention.*
 //
-//   attention(qkv, key_padding_mask, n_heads) -> out                  differentiable, any device
-//   attention_forward(qkv, key_padding_mask, n_heads) -> (out, lse)   the fused CPU kernel
-//   attention_backward(grad_out, qkv, key_padding_mask, out, lse, n_heads) -> grad_qkv
+//   attention(qkv, key_padding_mask, n_heads, dropout_p=0, seed=None) -> out      differentiable, any device
+//   attention_forward(qkv, key_padding_mask, n_heads, dropout_p=0, seed=None) -> (out, lse)   fused CPU kernel
+//   attention_backward(grad_out, qkv, key_padding_mask, out, lse, n_heads, dropout_p=0, seed=None) -> grad_qkv
+//   dropout_keep_mask(seed, B, H, T, dropout_p) -> keep (B, H, T, T) bool   the kernels' dropout decisions
 //   kv_cache_write(qkv, k_cache!, v_cache!, start, end, n_heads)    generation: static KV cache
 //   decode_attention(qkv, k_cache, v_cache, start, end, n_heads) -> out
 //   mask_to_bool(key_padding_mask) -> mask                              checks an integer mask's values
@@ -26,31 +27,45 @@ namespace {
 
 using OptionalTensor = std::optional<at::Tensor>;
 
-std::tuple<at::Tensor, at::Tensor> call_forward(const at::Tensor& qkv, const OptionalTensor& mask, int64_t n_heads) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("causal_attention::attention_forward", "")
-                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptionalTensor&, int64_t)>();
-  return op.call(qkv, mask, n_heads);
+std::tuple<at::Tensor, at::Tensor> call_forward(const at::Tensor& qkv, const OptionalTensor& mask, int64_t n_heads,
+                                                double dropout_p, const OptionalTensor& seed) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("causal_attention::attention_forward", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptionalTensor&, int64_t, double,
+                                                    const OptionalTensor&)>();
+  return op.call(qkv, mask, n_heads, dropout_p, seed);
 }
 
 at::Tensor call_backward(const at::Tensor& grad_out, const at::Tensor& qkv, const OptionalTensor& mask,
-                         const at::Tensor& out, const at::Tensor& lse, int64_t n_heads) {
+                         const at::Tensor& out, const at::Tensor& lse, int64_t n_heads, double dropout_p,
+                         const OptionalTensor& seed) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("causal_attention::attention_backward", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const at::Tensor&,
-                            const at::Tensor&, int64_t)>();
-  return op.call(grad_out, qkv, mask, out, lse, n_heads);
+                            const at::Tensor&, int64_t, double, const OptionalTensor&)>();
+  return op.call(grad_out, qkv, mask, out, lse, n_heads, dropout_p, seed);
+}
+
+// The seed of a call with dropout: the given one, or a fresh one from the default CPU generator.
+OptionalTensor seed_for(double dropout_p, const OptionalTensor& seed) {
+  check_dropout(dropout_p);
+  if (dropout_p == 0) {
+    return std::nullopt;
+  }
+  return (seed.has_value() && seed->defined()) ? seed : OptionalTensor(draw_dropout_seed());
 }
 
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv, const OptionalTensor& mask,
-                            int64_t n_heads) {
+                            int64_t n_heads, double dropout_p, const OptionalTensor& seed) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse] = call_forward(qkv, mask, n_heads);
-    ctx->save_for_backward({qkv, out, lse, mask.value_or(at::Tensor())});
+    auto [out, lse] = call_forward(qkv, mask, n_heads, dropout_p, seed);
+    ctx->save_for_backward({qkv, out, lse, mask.value_or(at::Tensor()), seed.value_or(at::Tensor())});
     ctx->saved_data["n_heads"] = n_heads;
+    ctx->saved_data["dropout_p"] = dropout_p;
     return out;
   }
 
@@ -58,32 +73,42 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const OptionalTensor mask = saved[3].defined() ? OptionalTensor(saved[3]) : std::nullopt;
+    const OptionalTensor seed = saved[4].defined() ? OptionalTensor(saved[4]) : std::nullopt;
     const int64_t n_heads = ctx->saved_data["n_heads"].toInt();
+    const double dropout_p = ctx->saved_data["dropout_p"].toDouble();
     if (at::GradMode::is_enabled()) {
       // create_graph (double backward, gradient penalties): the fused backward has no derivative
-      // of its own, so differentiate the same attention written in ATen operations instead.
-      const auto out = kernels::attention_math(saved[0], mask, n_heads);
-      const auto grad_qkv = torch::autograd::grad({out}, {saved[0]}, {grads[0]}, /*retain_graph=*/true,
+      // of its own, so differentiate the same attention written in ATen operations instead, with
+      // the forward's dropout decisions.
+      const auto& qkv = saved[0];
+      OptionalTensor keep;
+      if (dropout_p > 0) {
+        keep = dropout_keep_mask(*seed, qkv.size(0), n_heads, qkv.size(1), dropout_p);
+      }
+      const auto out = kernels::attention_math(qkv, mask, n_heads, dropout_p, keep);
+      const auto grad_qkv = torch::autograd::grad({out}, {qkv}, {grads[0]}, /*retain_graph=*/true,
                                                   /*create_graph=*/true);
-      return {grad_qkv[0], at::Tensor(), at::Tensor()};
+      return {grad_qkv[0], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
-    const auto grad_qkv = call_backward(grads[0], saved[0], mask, saved[1], saved[2], n_heads);
-    return {grad_qkv, at::Tensor(), at::Tensor()};
+    const auto grad_qkv = call_backward(grads[0], saved[0], mask, saved[1], saved[2], n_heads, dropout_p, seed);
+    return {grad_qkv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor attention_autograd(const at::Tensor& qkv, const OptionalTensor& mask, int64_t n_heads) {
+at::Tensor attention_autograd(const at::Tensor& qkv, const OptionalTensor& mask, int64_t n_heads, double dropout_p,
+                              const OptionalTensor& seed) {
   if (qkv.device().is_cpu()) {
-    return AttentionFunction::apply(qkv, mask, n_heads);
+    return AttentionFunction::apply(qkv, mask, n_heads, dropout_p, seed_for(dropout_p, seed));
   }
-  return kernels::attention_composite(qkv, mask, n_heads);  // differentiated by ATen
+  return kernels::attention_composite(qkv, mask, n_heads, dropout_p);  // differentiated by ATen
 }
 
-at::Tensor attention_no_autograd(const at::Tensor& qkv, const OptionalTensor& mask, int64_t n_heads) {
+at::Tensor attention_no_autograd(const at::Tensor& qkv, const OptionalTensor& mask, int64_t n_heads, double dropout_p,
+                                 const OptionalTensor& seed) {
   if (qkv.device().is_cpu()) {
-    return std::get<0>(call_forward(qkv, mask, n_heads));
+    return std::get<0>(call_forward(qkv, mask, n_heads, dropout_p, seed_for(dropout_p, seed)));
   }
-  return kernels::attention_composite(qkv, mask, n_heads);
+  return kernels::attention_composite(qkv, mask, n_heads, dropout_p);
 }
 
 // Meta kernels: output shapes and dtypes only, with symbolic sizes (torch.compile, torch.export).
@@ -91,21 +116,30 @@ at::Tensor heads_like(const at::Tensor& qkv) {  // (B, T, 3 * dim) -> empty (B, 
   return at::empty_symint({qkv.sym_size(0), qkv.sym_size(1), qkv.sym_size(2) / 3}, qkv.options());
 }
 
-at::Tensor attention_meta(const at::Tensor& qkv, const OptionalTensor& /*mask*/, int64_t n_heads) {
+at::Tensor attention_meta(const at::Tensor& qkv, const OptionalTensor& /*mask*/, int64_t n_heads, double dropout_p,
+                          const OptionalTensor& /*seed*/) {
   TORCH_CHECK_VALUE(n_heads > 0 && qkv.dim() == 3, "qkv must be 3-D (B, T, 3 * dim) and n_heads positive");
+  check_dropout(dropout_p);
   return heads_like(qkv);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_meta(const at::Tensor& qkv, const OptionalTensor& mask,
-                                                          int64_t n_heads) {
+                                                          int64_t n_heads, double dropout_p, const OptionalTensor& seed) {
   const auto lse_dtype = qkv.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  return {attention_meta(qkv, mask, n_heads),
+  return {attention_meta(qkv, mask, n_heads, dropout_p, seed),
           at::empty_symint({qkv.sym_size(0), c10::SymInt(n_heads), qkv.sym_size(1)}, qkv.options().dtype(lse_dtype))};
 }
 
 at::Tensor attention_backward_meta(const at::Tensor& /*grad_out*/, const at::Tensor& qkv, const OptionalTensor& /*mask*/,
-                                   const at::Tensor& /*out*/, const at::Tensor& /*lse*/, int64_t /*n_heads*/) {
+                                   const at::Tensor& /*out*/, const at::Tensor& /*lse*/, int64_t /*n_heads*/,
+                                   double dropout_p, const OptionalTensor& /*seed*/) {
+  check_dropout(dropout_p);
   return at::empty_symint(qkv.sym_sizes(), qkv.options());
+}
+
+at::Tensor dropout_keep_mask_meta(const at::Tensor& /*seed*/, int64_t B, int64_t H, int64_t T, double dropout_p) {
+  check_dropout(dropout_p);
+  return at::empty({B, H, T, T}, at::TensorOptions().dtype(at::kBool).device(at::kMeta));
 }
 
 void kv_cache_write_meta(const at::Tensor& /*qkv*/, const at::Tensor& /*k_cache*/, const at::Tensor& /*v_cache*/,
@@ -128,11 +162,16 @@ at::Tensor cache_end_meta(const at::Tensor& lengths, const OptionalTensor& /*mas
 }  // namespace
 
 TORCH_LIBRARY(causal_attention, m) {
-  m.def("attention(Tensor qkv, Tensor? key_padding_mask, int n_heads) -> Tensor");
-  m.def("attention_forward(Tensor qkv, Tensor? key_padding_mask, int n_heads) -> (Tensor out, Tensor lse)");
+  m.def(
+      "attention(Tensor qkv, Tensor? key_padding_mask, int n_heads, float dropout_p=0., Tensor? seed=None) -> "
+      "Tensor");
+  m.def(
+      "attention_forward(Tensor qkv, Tensor? key_padding_mask, int n_heads, float dropout_p=0., "
+      "Tensor? seed=None) -> (Tensor out, Tensor lse)");
   m.def(
       "attention_backward(Tensor grad_out, Tensor qkv, Tensor? key_padding_mask, Tensor out, Tensor lse, "
-      "int n_heads) -> Tensor grad_qkv");
+      "int n_heads, float dropout_p=0., Tensor? seed=None) -> Tensor grad_qkv");
+  m.def("dropout_keep_mask(Tensor seed, int B, int H, int T, float dropout_p) -> Tensor");
   m.def("cpu_capability() -> str");
   m.def(
       "kv_cache_write(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, Tensor end, int n_heads) -> "
@@ -162,6 +201,7 @@ TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {
   m.impl("attention", &attention_meta);
   m.impl("attention_forward", &attention_forward_meta);
   m.impl("attention_backward", &attention_backward_meta);
+  m.impl("dropout_keep_mask", &dropout_keep_mask_meta);
   m.impl("kv_cache_write", &kv_cache_write_meta);
   m.impl("decode_attention", &decode_attention_meta);
   m.impl("mask_to_bool", &mask_to_bool_meta);
@@ -171,6 +211,7 @@ TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {
 TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
   m.impl("attention_forward", &kernels::attention_forward_cpu);
   m.impl("attention_backward", &kernels::attention_backward_cpu);
+  m.impl("dropout_keep_mask", &kernels::dropout_keep_mask_cpu);
   m.impl("kv_cache_write", &kernels::kv_cache_write_cpu);
   m.impl("decode_attention", &kernels::decode_attention_cpu);
 }
@@ -181,12 +222,21 @@ TORCH_LIBRARY_IMPL(causal_attention, CatchAll, m) {
 
 const char* kernels::cpu_capability() { return tile::tile_ops_capability(); }
 
-at::Tensor attention(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
-                     int64_t n_heads) {
+at::Tensor attention(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask, int64_t n_heads,
+                     double dropout_p, const std::optional<at::Tensor>& seed) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("causal_attention::attention", "")
+          .typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, int64_t, double,
+                            const std::optional<at::Tensor>&)>();
+  return op.call(qkv, key_padding_mask, n_heads, dropout_p, seed);
+}
+
+at::Tensor dropout_keep_mask(const at::Tensor& seed, int64_t B, int64_t H, int64_t T, double dropout_p) {
   static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("causal_attention::attention", "")
-                             .typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>();
-  return op.call(qkv, key_padding_mask, n_heads);
+                             .findSchemaOrThrow("causal_attention::dropout_keep_mask", "")
+                             .typed<at::Tensor(const at::Tensor&, int64_t, int64_t, int64_t, double)>();
+  return op.call(seed, B, H, T, dropout_p);
 }
 
 }  // namespace causal_attention

@@ -2,6 +2,10 @@
 // on values runs inside an operator, so that it holds in eager, compiled and exported code alike.
 #include "causal_attention/attention.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <mutex>
+
 namespace causal_attention {
 
 void check_qkv(const at::Tensor& qkv, int64_t n_heads) {
@@ -12,6 +16,29 @@ void check_qkv(const at::Tensor& qkv, int64_t n_heads) {
   const int64_t width = qkv.size(2);
   TORCH_CHECK_VALUE(width % (3 * n_heads) == 0, "qkv last dimension (got ", width,
                     ") must be 3 * dim with dim divisible by n_heads (got ", n_heads, ")");
+}
+
+void check_dropout(double dropout_p) {
+  TORCH_CHECK_VALUE(dropout_p >= 0 && dropout_p < 1, "dropout must be a probability in [0, 1); got ", dropout_p);
+}
+
+int64_t seed_value(const at::Tensor& seed) {
+  TORCH_CHECK_TYPE(seed.scalar_type() == at::kLong, "the dropout seed must be an int64 tensor; got dtype ",
+                   seed.scalar_type());
+  TORCH_CHECK_VALUE(seed.numel() == 1 && seed.dim() <= 1, "the dropout seed must have one element (0-d or (1,)); got shape ",
+                    seed.sizes());
+  TORCH_CHECK_VALUE(seed.device().is_cpu(), "the dropout seed must be a CPU tensor; got device ", seed.device());
+  return seed.reshape({}).item<int64_t>();
+}
+
+at::Tensor draw_dropout_seed() {
+  auto generator = at::detail::getDefaultCPUGenerator();
+  uint64_t bits = 0;
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());  // the generator is shared by every thread
+    bits = generator.get<at::CPUGeneratorImpl>()->random64();
+  }
+  return at::scalar_tensor(static_cast<int64_t>(bits), at::TensorOptions().dtype(at::kLong));
 }
 
 namespace {

@@ -18,7 +18,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> split_heads(const at::Tensor& qkv
 }  // namespace
 
 at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
-                               int64_t n_heads) {
+                               int64_t n_heads, double dropout_p) {
+  check_dropout(dropout_p);
   const auto [q, k, v] = split_heads(qkv, n_heads);  // each (B, H, T, hd)
   const int64_t B = qkv.size(0);
   const int64_t T = qkv.size(1);
@@ -26,7 +27,7 @@ at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Te
 
   at::Tensor out;  // (B, H, T, hd)
   if (!key_padding_mask.has_value()) {
-    out = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/std::nullopt, /*dropout_p=*/0.0,
+    out = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/std::nullopt, dropout_p,
                                            /*is_causal=*/true);
   } else {
     const auto& mask = *key_padding_mask;  // (B, T) bool, True = real
@@ -41,7 +42,7 @@ at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Te
     const auto has_key = mask.cumsum(1, at::kInt).gt(0);              // (B, T)
     // A row with no allowed key would be all -inf (NaN): let it see its own key, then zero it.
     allowed = allowed.logical_or(has_key.logical_not().unsqueeze(2).logical_and(at::eye(T, opts)));
-    out = at::scaled_dot_product_attention(q, k, v, allowed.unsqueeze(1), 0.0, false);
+    out = at::scaled_dot_product_attention(q, k, v, allowed.unsqueeze(1), dropout_p, false);
     out = out.masked_fill(has_key.logical_not().view({B, 1, T, 1}), 0);
   }
   return out.transpose(1, 2).reshape({B, T, dim});  // (B, T, H, hd) -> (B, T, dim)
@@ -51,7 +52,9 @@ at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Te
 
 namespace causal_attention::kernels {
 
-at::Tensor attention_math(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask, int64_t n_heads) {
+at::Tensor attention_math(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask, int64_t n_heads,
+                          double dropout_p, const std::optional<at::Tensor>& keep) {
+  check_dropout(dropout_p);
   const auto [q, k, v] = split_heads(qkv, n_heads);  // each (B, H, T, hd)
   const int64_t B = qkv.size(0);
   const int64_t T = qkv.size(1);
@@ -64,6 +67,10 @@ at::Tensor attention_math(const at::Tensor& qkv, const std::optional<at::Tensor>
   const auto scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));  // (B, H, T, T)
   auto weights = at::softmax(scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity()), -1);
   weights = at::where(allowed.any(-1, /*keepdim=*/true), weights, at::zeros_like(weights));  // empty rows: 0
+  if (dropout_p > 0) {
+    TORCH_CHECK_VALUE(keep.has_value() && keep->defined(), "attention_math: dropout_p > 0 needs the keep mask");
+    weights = weights * keep->to(weights.scalar_type()) / (1.0 - dropout_p);  // P_drop (B, H, T, T)
+  }
   return at::matmul(weights, v).transpose(1, 2).reshape({B, T, dim});  // (B, T, dim)
 }
 

@@ -8,6 +8,11 @@
 //
 // Work skipped: key blocks above the diagonal, key blocks with no real key, and keys past the last
 // real key of a sequence; key blocks that are all real need no element-wise mask.
+//
+// Attention-weight dropout (training): P_drop = P * keep / (1 - p), keep from philox.h, a pure
+// function of (seed, b, h, i, j), so the backward regenerates the forward's decisions tile by tile.
+// The forward drops the unnormalised weights after the running sum has counted them (the row sum
+// is the softmax's, before dropout); the backward uses P_drop for dV and dP * keep / (1 - p) for dS.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -18,6 +23,7 @@
 #include <type_traits>
 
 #include "causal_attention/attention.h"
+#include "philox.h"
 #include "tensor_tiles.h"
 #include "tile_ops.h"
 
@@ -97,9 +103,12 @@ Geometry geometry(const at::Tensor& qkv, int64_t n_heads, int64_t block_q, int64
   return {qkv.size(0), T, n_heads, dim, dim / n_heads, ceil_div(T, block_q), ceil_div(T, block_k)};
 }
 
+// The dropout of a call: none (p = 0), or its probability and seed.
+using OptionalDropout = std::optional<philox::Dropout>;
+
 template <typename scalar_t>
 void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, const Geometry& g,
-                  const at::Tensor& out, const at::Tensor& lse) {
+                  const OptionalDropout& drop, const at::Tensor& out, const at::Tensor& lse) {
   using acc_t = at::opmath_type<scalar_t>;
   const auto& ops = tile::tile_ops<scalar_t>();   // conversions from and to the input type
   const auto& acc_ops = tile::tile_ops<acc_t>();  // the tiles, in acc_t
@@ -166,6 +175,10 @@ void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, 
                                seq_in + k0 * ld + g.dim + h * g.hd, ld, pack_ptr);
           acc_ops.softmax_tile(s.data_ptr<acc_t>(), cols, rows, cols, scale, causal_offset, key_mask, m + r0, l + r0,
                                alpha + r0, buf);
+          if (drop.has_value()) {  // after the row sums: they are the softmax's, before dropout
+            acc_ops.dropout(s.data_ptr<acc_t>(), nullptr, cols, rows, cols, *drop, static_cast<uint64_t>(bh), q0 + r0,
+                            k0);
+          }
           ops.round_to_input(s.data_ptr<acc_t>(), cols, rows, cols);  // P as an input-type operand (entries <= 1)
           at::Tensor pv_tile = tile(pv, rows, g.hd);                   // (rows, hd)
           at::mm_out(pv_tile, s, v);
@@ -192,7 +205,8 @@ void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, 
 
 template <typename scalar_t>
 void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std::optional<at::Tensor>& mask,
-                   const at::Tensor& out, const at::Tensor& lse, const Geometry& g, const at::Tensor& grad_qkv) {
+                   const at::Tensor& out, const at::Tensor& lse, const Geometry& g, const OptionalDropout& drop,
+                   const at::Tensor& grad_qkv) {
   using acc_t = at::opmath_type<scalar_t>;
   const auto& ops = tile::tile_ops<scalar_t>();   // conversions from and to the input type
   const auto& acc_ops = tile::tile_ops<acc_t>();  // the tiles, in acc_t
@@ -200,7 +214,7 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
   const acc_t* lse_ptr = lse.data_ptr<acc_t>();
   const acc_t scale = acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd));
   const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
-  // delta[b, t, h] = sum_d dO[b, t, h, d] * O[b, t, h, d]
+  // delta[b, t, h] = sum_d dO[b, t, h, d] * O[b, t, h, d]   (O with dropout: sum_j P dP_drop, still)
   const at::Tensor delta = (grad_out.to(acc_dtype) * out.to(acc_dtype)).view({g.B, g.T, g.H, g.hd}).sum(3).contiguous();
   const acc_t* delta_ptr = delta.data_ptr<acc_t>();
   const at::Tensor qkv_acc = widened(qkv);        // (B, T, 3 * dim) acc_t
@@ -217,8 +231,10 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
     const auto acc_options = qkv_acc.options();
     const at::Tensor p_ws = at::empty({kBwdBlockQ * kBwdBlockK}, acc_options);   // P
     const at::Tensor dp_ws = at::empty({kBwdBlockQ * kBwdBlockK}, acc_options);  // dP, then dS
-    // bfloat16/half: P rounded to the input type for P^T dO (dS is computed from the unrounded P).
-    const at::Tensor p_in_ws = kReduced<scalar_t> ? at::empty({kBwdBlockQ * kBwdBlockK}, acc_options) : at::Tensor();
+    // bfloat16/half: P rounded to the input type for P^T dO (dS is computed from the unrounded P);
+    // with dropout, P_drop.
+    const bool p_copy = kReduced<scalar_t> || drop.has_value();
+    const at::Tensor p_in_ws = p_copy ? at::empty({kBwdBlockQ * kBwdBlockK}, acc_options) : at::Tensor();
     const at::Tensor pack = dot_bf16 ? at::empty({(g.hd / 2) * (kBwdBlockK + 32)}, acc_options.dtype(at::kInt))
                                      : at::Tensor();
     uint32_t* pack_ptr = dot_bf16 ? reinterpret_cast<uint32_t*>(pack.data_ptr<int32_t>()) : nullptr;
@@ -278,15 +294,19 @@ void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std:
             score_tile<scalar_t>(p, q, kc, seq_in + (q0 + r0) * ld + h * g.hd, ld, seq_in + k0 * ld + g.dim + h * g.hd,
                                  ld, pack_ptr);
             acc_ops.probabilities(p.data_ptr<acc_t>(), cols, rows, cols, scale, causal_offset, key_mask, lse_rows);
-            at::Tensor p_in = p;
-            if constexpr (kReduced<scalar_t>) {
-              p_in = tile(p_in_ws, rows, cols).copy_(p);
-              ops.round_to_input(p_in.data_ptr<acc_t>(), cols, rows, cols);
-            }
-            accumulate_product(dv_acc, g.hd, p_in.t(), dO);  // dV += P^T dO
-            // dS = scale * P (dO v^T - delta), rounded to the input type for the products that follow
+            // dP = dO v^T
             score_tile<scalar_t>(dp, dO, vc, dout_seq_in + (q0 + r0) * g.dim + h * g.hd, g.dim,
                                  seq_in + k0 * ld + 2 * g.dim + h * g.hd, ld, pack_ptr);
+            const at::Tensor p_in = p_copy ? tile(p_in_ws, rows, cols).copy_(p) : p;
+            if (drop.has_value()) {  // P_drop = P * keep / (1 - p) and dP_drop = dP * keep / (1 - p)
+              acc_ops.dropout(p_in.data_ptr<acc_t>(), dp.data_ptr<acc_t>(), cols, rows, cols, *drop,
+                              static_cast<uint64_t>(bh), q0 + r0, k0);
+            }
+            if constexpr (kReduced<scalar_t>) {
+              ops.round_to_input(p_in.data_ptr<acc_t>(), cols, rows, cols);
+            }
+            accumulate_product(dv_acc, g.hd, p_in.t(), dO);  // dV += P_drop^T dO
+            // dS = scale * P (dP_drop - delta), rounded to the input type for the products that follow
             acc_ops.score_grad(dp.data_ptr<acc_t>(), p.data_ptr<acc_t>(), cols, rows, cols, scale, delta_rows, g.H);
             ops.round_to_input(dp.data_ptr<acc_t>(), cols, rows, cols);
             accumulate_product(dq_acc + (q0 + r0) * g.hd, g.hd, dp, kc);  // dQ += dS K
@@ -326,6 +346,17 @@ void check_cpu_inputs(const at::Tensor& qkv, const std::optional<at::Tensor>& ma
   }
 }
 
+// The dropout of a call from (dropout_p, seed): none when p = 0 (the exact path, bit for bit).
+OptionalDropout dropout_of(double dropout_p, const std::optional<at::Tensor>& seed) {
+  check_dropout(dropout_p);
+  if (dropout_p == 0) {
+    return std::nullopt;
+  }
+  TORCH_CHECK_VALUE(seed.has_value() && seed->defined(), "dropout_p = ", dropout_p,
+                    " > 0 needs a seed (an int64 tensor with one element)");
+  return philox::Dropout(dropout_p, static_cast<uint64_t>(seed_value(*seed)));
+}
+
 // The kernels read rows by stride; the last dimension must be dense.
 at::Tensor dense_rows(const at::Tensor& x) { return x.stride(-1) == 1 ? x : x.contiguous(); }
 
@@ -337,8 +368,10 @@ std::optional<at::Tensor> contiguous_mask(const std::optional<at::Tensor>& mask)
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& qkv_in,
                                                          const std::optional<at::Tensor>& mask_in,
-                                                         int64_t n_heads) {
+                                                         int64_t n_heads, double dropout_p,
+                                                         const std::optional<at::Tensor>& seed) {
   check_cpu_inputs(qkv_in, mask_in, n_heads);
+  const auto drop = dropout_of(dropout_p, seed);
   const auto qkv = dense_rows(qkv_in);
   const auto mask = contiguous_mask(mask_in);
   const auto g = geometry(qkv, n_heads, kBlockQ, kBlockK);
@@ -349,15 +382,17 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& qkv_i
     return {out, lse};
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "causal_attention_forward", [&] {
-    forward_impl<scalar_t>(qkv, mask, g, out, lse);
+    forward_impl<scalar_t>(qkv, mask, g, drop, out, lse);
   });
   return {out, lse};
 }
 
 at::Tensor attention_backward_cpu(const at::Tensor& grad_out_in, const at::Tensor& qkv_in,
                                   const std::optional<at::Tensor>& mask_in, const at::Tensor& out,
-                                  const at::Tensor& lse, int64_t n_heads) {
+                                  const at::Tensor& lse, int64_t n_heads, double dropout_p,
+                                  const std::optional<at::Tensor>& seed) {
   check_cpu_inputs(qkv_in, mask_in, n_heads);
+  const auto drop = dropout_of(dropout_p, seed);
   const auto qkv = dense_rows(qkv_in);
   const auto mask = contiguous_mask(mask_in);
   const auto g = geometry(qkv, n_heads, kBwdBlockQ, kBwdBlockK);
@@ -372,9 +407,31 @@ at::Tensor attention_backward_cpu(const at::Tensor& grad_out_in, const at::Tenso
     return grad_qkv;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "causal_attention_backward", [&] {
-    backward_impl<scalar_t>(grad_out, qkv, mask, out.contiguous(), lse.contiguous(), g, grad_qkv);
+    backward_impl<scalar_t>(grad_out, qkv, mask, out.contiguous(), lse.contiguous(), g, drop, grad_qkv);
   });
   return grad_qkv;
+}
+
+at::Tensor dropout_keep_mask_cpu(const at::Tensor& seed, int64_t B, int64_t H, int64_t T, double dropout_p) {
+  TORCH_CHECK_VALUE(B >= 0 && H >= 0 && T >= 0, "dropout_keep_mask: B, H, T must be >= 0; got ", B, ", ", H, ", ",
+                    T);
+  const auto drop = dropout_of(dropout_p, seed);
+  auto keep = at::empty({B, H, T, T}, at::TensorOptions().dtype(at::kBool));
+  if (!drop.has_value()) {
+    return keep.fill_(true);
+  }
+  bool* keep_ptr = keep.data_ptr<bool>();
+  at::parallel_for(0, B * H * T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {  // row = bh * T + i
+      const int64_t bh = row / T;
+      const int64_t i = row % T;
+      for (int64_t j = 0; j < T; ++j) {
+        keep_ptr[row * T + j] = philox::keep(*drop, static_cast<uint64_t>(bh), static_cast<uint64_t>(i),
+                                             static_cast<uint64_t>(j));
+      }
+    }
+  });
+  return keep;
 }
 
 }  // namespace causal_attention::kernels

@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "philox.h"
+
 namespace causal_attention::tile {
 
 inline constexpr int64_t kNoCausal = std::numeric_limits<int64_t>::max() / 2;
@@ -70,6 +72,12 @@ struct TileOps {
   // Backward. In: dp = dO . v. Out: dp = scale * p * (dp - delta[i * delta_stride]).
   void (*score_grad)(scalar_t* dp, const scalar_t* p, int64_t ld, int64_t rows, int64_t cols, acc_t scale,
                      const acc_t* delta, int64_t delta_stride);
+
+  // Attention-weight dropout of a tile (acc_t, rows x cols, ld) whose element (i, j) is the weight
+  // (bh, row0 + i, col0 + j): x = keep ? x * keep_scale : 0, the keep decisions of philox.h; the
+  // same for y (the same layout) unless it is nullptr (the backward drops P and dP together).
+  void (*dropout)(acc_t* x, acc_t* y, int64_t ld, int64_t rows, int64_t cols, const philox::Dropout& d, uint64_t bh,
+                  int64_t row0, int64_t col0);
 };
 
 // The routines for the instruction set chosen at run time.

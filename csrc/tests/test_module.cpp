@@ -276,4 +276,79 @@ TEST(KVCache, CapacityIsJudgedPerSequenceByItsRealTokens) {
   EXPECT_NE(msg.find("sequence 0 holds 4 tokens and 1 more do not fit"), std::string::npos) << msg;
 }
 
+// Attention-weight dropout: the module in training equals the specification with the kernel's
+// keep decisions (dropout_keep_mask of the seed the module draws from the default generator).
+TEST(Dropout, TrainingMatchesReferenceWithTheSameKeepMask) {
+  const int64_t B = 2, T = 37, H = 2, hd = 8;
+  const double p = 0.3;
+  torch::manual_seed(11);
+  CausalSelfAttention attn(H * hd, H, p);
+  attn->to(torch::kFloat64);
+  EXPECT_DOUBLE_EQ(attn->dropout(), p);
+  const auto x = torch::randn({B, T, H * hd}, torch::kFloat64);
+  auto mask = torch::ones({B, T}, torch::kBool);
+  mask.index_put_({1, torch::indexing::Slice(20, torch::indexing::None)}, false);
+  for (const bool padded : {false, true}) {
+    const std::optional<torch::Tensor> m = padded ? std::optional<torch::Tensor>(mask) : std::nullopt;
+    const auto xa = x.clone().requires_grad_(true);
+    torch::manual_seed(5);
+    const auto out = attn->forward(xa, m);
+    torch::manual_seed(5);
+    const auto seed = causal_attention::draw_dropout_seed();  // the module's seed
+    const auto keep = causal_attention::dropout_keep_mask(seed, B, H, T, p);
+    const auto xb = x.clone().requires_grad_(true);
+    const auto heads = causal_attention::kernels::attention_math(attn->qkv->forward(xb), m, H, p, keep);
+    const auto ref = attn->proj->forward(heads);
+    EXPECT_LT(max_abs_diff(out, ref), 1e-12);
+    const auto g = torch::randn_like(out);
+    out.backward(g);
+    ref.backward(g);
+    EXPECT_LT(max_abs_diff(xa.grad(), xb.grad()), 1e-12);
+    // Dropout did something: the output differs from the module's eval output.
+    attn->eval();
+    EXPECT_GT(max_abs_diff(out, attn->forward(x, m)), 1e-3);
+    attn->train();
+  }
+}
+
+TEST(Dropout, EvalModeAndZeroProbabilityAreExact) {
+  torch::manual_seed(12);
+  CausalSelfAttention with(16, 2, 0.5);
+  CausalSelfAttention without(16, 2);
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& pair : with->named_parameters()) {
+      without->named_parameters()[pair.key()].copy_(pair.value());
+    }
+  }
+  const auto x = torch::randn({2, 19, 16});
+  with->eval();
+  EXPECT_TRUE(torch::equal(with->forward(x), without->forward(x)));
+  const auto qkv = without->qkv->forward(x);
+  EXPECT_TRUE(torch::equal(causal_attention::attention(qkv, std::nullopt, 2, 0.0),
+                           causal_attention::attention(qkv, std::nullopt, 2)));
+}
+
+TEST(Dropout, ProbabilityOutsideZeroOneIsAValueErrorNamingDropout) {
+  for (const double p : {-0.1, 1.0, 1.5, std::numeric_limits<double>::quiet_NaN()}) {
+    const auto msg = error_of([&] { CausalSelfAttention(16, 2, p); });
+    EXPECT_NE(msg.find("dropout must be a probability in [0, 1)"), std::string::npos) << msg;
+    EXPECT_THROW(CausalSelfAttention(16, 2, p), c10::ValueError);
+  }
+  const auto qkv = torch::randn({1, 4, 48});
+  EXPECT_THROW(causal_attention::attention(qkv, std::nullopt, 2, 1.0), c10::ValueError);
+}
+
+TEST(Dropout, ReproducibleUnderManualSeed) {
+  torch::manual_seed(13);
+  CausalSelfAttention attn(16, 2, 0.2);
+  const auto x = torch::randn({2, 40, 16});
+  torch::manual_seed(3);
+  const auto a = attn->forward(x);
+  torch::manual_seed(3);
+  const auto b = attn->forward(x);
+  EXPECT_TRUE(torch::equal(a, b));
+  EXPECT_FALSE(torch::equal(a, attn->forward(x)));  // a new seed, another mask
+}
+
 }  // namespace

@@ -46,21 +46,25 @@ class _AttentionFunction(torch.autograd.Function):
     generate_vmap_rule = True  # forward and backward call ops with vmap rules (_register_vmap)
 
     @staticmethod
-    def forward(qkv: Tensor, mask: Tensor | None, n_heads: int) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        return torch.ops.causal_attention.attention_forward(qkv, mask, n_heads)
+    def forward(  # type: ignore[override]
+        qkv: Tensor, mask: Tensor | None, n_heads: int, dropout_p: float, seed: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        return torch.ops.causal_attention.attention_forward(qkv, mask, n_heads, dropout_p, seed)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-        qkv, mask, n_heads = inputs
+        qkv, mask, n_heads, dropout_p, seed = inputs
         out, lse = output
-        ctx.save_for_backward(qkv, mask, out, lse)
+        ctx.save_for_backward(qkv, mask, out, lse, seed)
         ctx.n_heads = n_heads
+        ctx.dropout_p = dropout_p
         ctx.mark_non_differentiable(lse)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor, None, None]:  # type: ignore[override]
-        qkv, mask, out, lse = ctx.saved_tensors
-        return _AttentionBackwardFunction.apply(grad_out, qkv, mask, out, lse, ctx.n_heads), None, None
+    def backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]
+        qkv, mask, out, lse, seed = ctx.saved_tensors
+        grad_qkv = _AttentionBackwardFunction.apply(grad_out, qkv, mask, out, lse, ctx.n_heads, ctx.dropout_p, seed)
+        return grad_qkv, None, None, None, None
 
 
 class _AttentionBackwardFunction(torch.autograd.Function):
@@ -68,38 +72,63 @@ class _AttentionBackwardFunction(torch.autograd.Function):
 
     The fused backward has no derivative of its own, so this differentiates the reference, which
     materialises the (B, H, T, T) weights. out and lse are functions of qkv: their part is in d_qkv.
+    With dropout, the reference uses the forward's keep decisions (dropout_keep_mask of its seed).
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(grad_out: Tensor, qkv: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor, n_heads: int) -> Tensor:  # type: ignore[override]
-        return torch.ops.causal_attention.attention_backward(grad_out, qkv, mask, out, lse, n_heads)
+    def forward(  # type: ignore[override]
+        grad_out: Tensor, qkv: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor, n_heads: int, dropout_p: float,
+        seed: Tensor | None,
+    ) -> Tensor:
+        return torch.ops.causal_attention.attention_backward(grad_out, qkv, mask, out, lse, n_heads, dropout_p, seed)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        grad_out, qkv, mask, _out, _lse, n_heads = inputs
-        ctx.save_for_backward(grad_out, qkv, mask)
+        grad_out, qkv, mask, _out, _lse, n_heads, dropout_p, seed = inputs
+        ctx.save_for_backward(grad_out, qkv, mask, seed)
         ctx.n_heads = n_heads
+        ctx.dropout_p = dropout_p
 
     @staticmethod
-    def backward(ctx: Any, grad_grad_qkv: Tensor) -> tuple[Tensor, Tensor, None, None, None, None]:  # type: ignore[override]
-        grad_out, qkv, mask = ctx.saved_tensors
-        n_heads = ctx.n_heads
+    def backward(ctx: Any, grad_grad_qkv: Tensor) -> tuple[Tensor, Tensor, None, None, None, None, None, None]:  # type: ignore[override]
+        grad_out, qkv, mask, seed = ctx.saved_tensors
+        n_heads, dropout_p = ctx.n_heads, ctx.dropout_p
+        keep = None
+        if dropout_p > 0:
+            B, T = qkv.shape[0], qkv.shape[1]
+            keep = torch.ops.causal_attention.dropout_keep_mask(seed, B, n_heads, T, dropout_p)  # (B, H, T, T)
 
         def first_grad(go: Tensor, q: Tensor) -> Tensor:
-            _, vjp = torch.func.vjp(lambda q_: reference.attention_core(q_, mask, n_heads)[0], q)
+            core = lambda q_: reference.attention_core(q_, mask, n_heads, dropout_p=dropout_p, keep=keep)[0]  # noqa: E731
+            _, vjp = torch.func.vjp(core, q)
             return vjp(go)[0]
 
         _, vjp2 = torch.func.vjp(first_grad, grad_out, qkv)
         d_grad_out, d_qkv = vjp2(grad_grad_qkv)
-        return d_grad_out, d_qkv, None, None, None, None
+        return d_grad_out, d_qkv, None, None, None, None, None, None
 
 
-def attention(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int) -> Tensor:
+def draw_seed() -> Tensor:
+    """A dropout seed: a 0-d int64 tensor from torch's default CPU generator (torch.manual_seed
+    reproduces it; torch.compile traces it as graph randomness)."""
+    return torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64)
+
+
+def attention(
+    qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int, dropout_p: float = 0.0, seed: Tensor | None = None
+) -> Tensor:
     """The fused attention core with autograd (torch.func-compatible): qkv (B, T, 3 * dim),
-    key_padding_mask (B, T) bool or None -> (B, T, dim)."""
-    out, _lse = _AttentionFunction.apply(qkv, key_padding_mask, n_heads)
+    key_padding_mask (B, T) bool or None -> (B, T, dim).
+
+    dropout_p in [0, 1): attention-weight dropout (P_drop = P * keep / (1 - p)), the keep decisions
+    a pure function of seed (a 0-d int64 CPU tensor; drawn with draw_seed() when None) and the
+    weight's (b, h, i, j): torch.ops.causal_attention.dropout_keep_mask gives them.
+    """
+    if dropout_p > 0 and seed is None:
+        seed = draw_seed()
+    out, _lse = _AttentionFunction.apply(qkv, key_padding_mask, n_heads, dropout_p, seed if dropout_p > 0 else None)
     return out
 
 
@@ -116,11 +145,30 @@ def _fold(x: Tensor | None, dim: int | None, size: int) -> Tensor | None:
     return x.reshape(size * x.shape[1], *x.shape[2:])
 
 
+def _slice(xs: tuple[Tensor | None, ...], dims: tuple[Any, ...], n: int) -> list[Tensor | None]:
+    """Slice n of each vmapped argument (an argument without a vmap dimension as it is)."""
+    return [x.select(d, n) if (x is not None and d is not None) else x for x, d in zip(xs, dims)]
+
+
 def _register_vmap() -> None:
     """torch.vmap over the attention ops: the vmapped dimension joins the batch dimension B."""
 
-    def forward_vmap(info: Any, in_dims: tuple[Any, ...], qkv: Tensor, mask: Tensor | None, n_heads: int):  # type: ignore[no-untyped-def]
+    # With dropout the keep decisions depend on the batch index b, which folding would change: each
+    # vmapped slice runs on its own (its seed too, when the seed is batched: randomness="different").
+
+    def forward_vmap(  # type: ignore[no-untyped-def]
+        info: Any, in_dims: tuple[Any, ...], qkv: Tensor, mask: Tensor | None, n_heads: int, dropout_p: float = 0.0,
+        seed: Tensor | None = None,
+    ):
         N = info.batch_size
+        if dropout_p > 0:
+            slices = [
+                torch.ops.causal_attention.attention_forward(
+                    *_slice((qkv, mask), in_dims[:2], n), n_heads, dropout_p, *_slice((seed,), in_dims[4:], n)
+                )
+                for n in range(N)
+            ]
+            return (torch.stack([o for o, _ in slices]), torch.stack([lse for _, lse in slices])), (0, 0)
         B = _batch_first(qkv, in_dims[0], N).shape[1]
         out, lse = torch.ops.causal_attention.attention_forward(
             _fold(qkv, in_dims[0], N), _fold(mask, in_dims[1], N), n_heads
@@ -129,9 +177,18 @@ def _register_vmap() -> None:
 
     def backward_vmap(  # type: ignore[no-untyped-def]
         info: Any, in_dims: tuple[Any, ...], grad_out: Tensor, qkv: Tensor, mask: Tensor | None, out: Tensor,
-        lse: Tensor, n_heads: int,
+        lse: Tensor, n_heads: int, dropout_p: float = 0.0, seed: Tensor | None = None,
     ):
         N = info.batch_size
+        if dropout_p > 0:
+            grads = [
+                torch.ops.causal_attention.attention_backward(
+                    *_slice((grad_out, qkv, mask, out, lse), in_dims[:5], n), n_heads, dropout_p,
+                    *_slice((seed,), in_dims[7:], n),
+                )
+                for n in range(N)
+            ]
+            return torch.stack(grads), 0
         B = _batch_first(qkv, in_dims[1], N).shape[1]
         grad_qkv = torch.ops.causal_attention.attention_backward(
             _fold(grad_out, in_dims[0], N), _fold(qkv, in_dims[1], N), _fold(mask, in_dims[2], N),

@@ -72,8 +72,8 @@ def select_backend(qkv: Tensor, requested: Backend) -> str:
     return "sdpa"
 
 
-def _cpp(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int) -> Tensor:
-    return _ops.attention(qkv, key_padding_mask, n_heads)  # the fused kernels, autograd in _ops.py
+def _cpp(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int, dropout_p: float = 0.0) -> Tensor:
+    return _ops.attention(qkv, key_padding_mask, n_heads, dropout_p)  # the fused kernels, autograd in _ops.py
 
 
 # Checks on values that guard data. With the engine loaded they run inside its ops (ValueError),
@@ -109,9 +109,9 @@ def cache_end(lengths: Tensor, mask: Tensor | None, new_tokens: int, max_len: in
     return end
 
 
-def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
+def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, dropout_p: float = 0.0) -> Tensor:
     """F.scaled_dot_product_attention with a bool mask (True = may attend), where a query with no
-    allowed key gives 0 instead of NaN.
+    allowed key gives 0 instead of NaN; dropout_p: its attention-weight dropout (torch's generator).
 
     q (B, H, Tq, hd), k and v (B, H, Tk, hd), allowed (B, Tq, Tk) -> (B, H, Tq, hd).
     """
@@ -122,7 +122,7 @@ def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
     first = torch.zeros_like(allowed)
     first[..., 0] = True
     allowed = allowed | (~has_key[..., None] & first)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])  # (B, H, Tq, hd)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], dropout_p=dropout_p)  # (B, H, Tq, hd)
     return out.masked_fill(~has_key[:, None, :, None], 0)
 
 
@@ -133,14 +133,14 @@ def _split_heads(qkv: Tensor, n_heads: int) -> tuple[Tensor, Tensor, Tensor]:
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
-def _sdpa(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int) -> Tensor:
+def _sdpa(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int, dropout_p: float = 0.0) -> Tensor:
     B, T, three_dim = qkv.shape
     q, k, v = _split_heads(qkv, n_heads)  # each (B, H, T, hd)
     if key_padding_mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)  # (B, H, T, hd)
     else:
         causal = torch.ones(T, T, dtype=torch.bool, device=qkv.device).tril()  # (T, T)
-        out = masked_sdpa(q, k, v, causal & key_padding_mask[:, None, :])  # (B, H, T, hd)
+        out = masked_sdpa(q, k, v, causal & key_padding_mask[:, None, :], dropout_p)  # (B, H, T, hd)
     return out.transpose(1, 2).reshape(B, T, three_dim // 3)  # (B, T, dim)
 
 
@@ -167,11 +167,23 @@ def cached_attention_torch(qkv: Tensor, cache: KVCache, start: Tensor, end: Tens
     return out.transpose(1, 2).reshape(B, t, three_dim // 3)  # (B, t, dim)
 
 
-def _reference(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int) -> Tensor:
-    return reference.attention_core(qkv, key_padding_mask, n_heads)[0]
+def dropout_keep(qkv: Tensor, n_heads: int, dropout_p: float) -> Tensor:
+    """A fresh (B, H, T, T) bool dropout mask for qkv (B, T, 3 * dim): the engine's keep decisions
+    (dropout_keep_mask of a seed from torch's generator) when it is loaded, else torch.rand's."""
+    B, T = qkv.shape[0], qkv.shape[1]
+    if _ops.core_loaded():
+        keep = torch.ops.causal_attention.dropout_keep_mask(_ops.draw_seed(), B, n_heads, T, dropout_p)
+        return keep.to(qkv.device)
+    return torch.rand(B, n_heads, T, T, device=qkv.device) >= dropout_p
 
 
-RUN: dict[str, Callable[[Tensor, Tensor | None, int], Tensor]] = {
+def _reference(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int, dropout_p: float = 0.0) -> Tensor:
+    keep = dropout_keep(qkv, n_heads, dropout_p) if dropout_p > 0 else None
+    return reference.attention_core(qkv, key_padding_mask, n_heads, dropout_p=dropout_p, keep=keep)[0]
+
+
+# Each backend: (qkv, key_padding_mask, n_heads, dropout_p=0.0) -> (B, T, dim).
+RUN: dict[str, Callable[..., Tensor]] = {
     "cpp": _cpp,
     "sdpa": _sdpa,
     "reference": _reference,

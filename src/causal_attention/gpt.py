@@ -110,7 +110,7 @@ class Block(nn.Module):
         super().__init__()
         dim, bias = config.dim, config.bias
         self.ln1 = nn.LayerNorm(dim, eps=config.layer_norm_eps, bias=bias)
-        self.attn = CausalSelfAttention(dim, config.n_heads, bias=bias)
+        self.attn = CausalSelfAttention(dim, config.n_heads, bias=bias, dropout=config.attn_dropout)
         self.attn_drop = nn.Dropout(config.resid_dropout)
         self.ln2 = nn.LayerNorm(dim, eps=config.layer_norm_eps, bias=bias)
         approximate = "tanh" if config.activation == "gelu_tanh" else "none"

@@ -59,6 +59,10 @@ class CausalSelfAttention(nn.Module):
             or one of ``"cpp"``, ``"sdpa"``, ``"reference"`` to force one.
         bias: keyword-only; False makes qkv and proj Linear layers without bias (nanoGPT's
             ``bias=False``, nn.MultiheadAttention's ``bias=False``).
+        dropout: keyword-only. Attention-weight dropout probability in [0, 1), applied in training
+            mode only (``P * keep / (1 - dropout)``, as nn.MultiheadAttention); 0 (the default) and
+            eval mode are exact. The C++ engine draws one seed per call from torch's default
+            generator, so ``torch.manual_seed`` reproduces a run, for any thread count.
         device, dtype: keyword-only, for the parameters.
 
     State: ``qkv`` = Linear(dim, 3 * dim) (output split q | k | v) and ``proj`` = Linear(dim, dim);
@@ -72,6 +76,7 @@ class CausalSelfAttention(nn.Module):
         *,
         backend: Backend = "auto",
         bias: bool = True,
+        dropout: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -82,6 +87,11 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"CausalSelfAttention: dim (got {dim}) must be divisible by n_heads (got {n_heads})")
         if backend != "auto" and backend not in backends.BACKENDS:
             raise ValueError(f"backend must be one of {('auto',) + backends.BACKENDS}; got {backend!r}")
+        if not isinstance(dropout, (int, float)) or isinstance(dropout, bool):
+            raise TypeError(f"dropout must be a float in [0, 1); got {type(dropout).__name__} {dropout!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a probability in [0, 1); got {dropout}")
+        self.dropout = float(dropout)
         self.dim = dim
         self.n_heads = n_heads
         self.head_dim = dim // n_heads
@@ -92,7 +102,8 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=bias, device=device, dtype=dtype)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, n_heads={self.n_heads}, head_dim={self.head_dim}, backend={self.backend!r}"
+        extra = f", dropout={self.dropout}" if self.dropout else ""
+        return f"dim={self.dim}, n_heads={self.n_heads}, head_dim={self.head_dim}, backend={self.backend!r}{extra}"
 
     def _check_x(self, x: Tensor) -> None:
         if not isinstance(x, Tensor):
@@ -149,7 +160,11 @@ class CausalSelfAttention(nn.Module):
             return self.proj(self.attend(self.qkv(x), mask, cache=cache))  # (B, t, dim)
         qkv = self.qkv(x)  # (B, T, 3 * dim)
         if return_weights:
-            y, weights = reference.attention_core(qkv, mask, self.n_heads, return_weights=True)
+            dropout_p = self.dropout if self.training else 0.0
+            keep = backends.dropout_keep(qkv, self.n_heads, dropout_p) if dropout_p > 0 else None  # (B, H, T, T)
+            y, weights = reference.attention_core(
+                qkv, mask, self.n_heads, return_weights=True, dropout_p=dropout_p, keep=keep
+            )
             assert weights is not None
             return self.proj(y), weights
         return self.proj(self.attend(qkv, mask))  # (B, T, dim)
@@ -165,7 +180,8 @@ class CausalSelfAttention(nn.Module):
             self._check_cache(cache, qkv, "qkv")
             return self._attend_cached(qkv, key_padding_mask, cache)
         name = backends.select_backend(qkv, self.backend)
-        return backends.RUN[name](qkv, key_padding_mask, self.n_heads)  # (B, T, dim)
+        dropout_p = self.dropout if self.training else 0.0
+        return backends.RUN[name](qkv, key_padding_mask, self.n_heads, dropout_p)  # (B, T, dim)
 
     def _check_cache(self, cache: KVCache, x: Tensor, x_name: str) -> None:
         if not isinstance(cache, KVCache):
@@ -207,7 +223,8 @@ class CausalSelfAttention(nn.Module):
         ``in_proj_weight`` / ``in_proj_bias`` (rows q | k | v) become ``qkv``, ``out_proj`` becomes
         ``proj``; the new layer equals ``mha(x, x, x, attn_mask=causal, key_padding_mask=~mask)``
         (batch first). Configurations the layer cannot represent are errors: separate key/value
-        widths (kdim, vdim), ``add_bias_kv``, ``add_zero_attn``. ``bias=False`` is kept.
+        widths (kdim, vdim), ``add_bias_kv``, ``add_zero_attn``. ``bias=False`` and the attention
+        dropout probability are kept.
         """
         if not isinstance(mha, nn.MultiheadAttention):
             raise TypeError(f"mha must be an nn.MultiheadAttention; got {type(mha).__name__}")
@@ -224,7 +241,8 @@ class CausalSelfAttention(nn.Module):
         if has_bias != (mha.out_proj.bias is not None):
             raise ValueError("mha: in_proj_bias and out_proj.bias must both be present or both absent")
         weight = mha.in_proj_weight
-        layer = cls(mha.embed_dim, mha.num_heads, backend=backend, bias=has_bias, device=weight.device, dtype=weight.dtype)
+        layer = cls(mha.embed_dim, mha.num_heads, backend=backend, bias=has_bias, dropout=float(mha.dropout),
+                    device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             layer.qkv.weight.copy_(weight)
             layer.proj.weight.copy_(mha.out_proj.weight)
@@ -240,7 +258,8 @@ class CausalSelfAttention(nn.Module):
         weight = self.qkv.weight
         has_bias = self.qkv.bias is not None
         mha = nn.MultiheadAttention(
-            self.dim, self.n_heads, bias=has_bias, batch_first=True, device=weight.device, dtype=weight.dtype
+            self.dim, self.n_heads, dropout=self.dropout, bias=has_bias, batch_first=True, device=weight.device,
+            dtype=weight.dtype,
         )
         with torch.no_grad():
             mha.in_proj_weight.copy_(weight)

@@ -14,7 +14,13 @@ from torch import Tensor
 
 
 def attention_core(
-    qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int, *, return_weights: bool = False
+    qkv: Tensor,
+    key_padding_mask: Tensor | None,
+    n_heads: int,
+    *,
+    return_weights: bool = False,
+    dropout_p: float = 0.0,
+    keep: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Causal attention from the qkv projection's output.
 
@@ -22,11 +28,18 @@ def attention_core(
         qkv: (B, T, 3 * dim), split q | k | v; head h uses columns h*hd:(h+1)*hd of each.
         key_padding_mask: (B, T) bool, True = real token, or None (every token real).
         n_heads: H.
-        return_weights: also return the attention weights.
+        return_weights: also return the attention weights (after dropout, as nn.MultiheadAttention).
+        dropout_p: attention-weight dropout, in [0, 1): weights = softmax * keep / (1 - dropout_p).
+        keep: (B, H, T, T) bool, the weights kept (torch.ops.causal_attention.dropout_keep_mask
+            gives the engine's); needed when dropout_p > 0.
 
     Returns:
         (y, weights): y (B, T, dim) with the heads joined back; weights (B, H, T, T) or None.
     """
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout must be a probability in [0, 1); got {dropout_p}")
+    if dropout_p > 0 and keep is None:
+        raise ValueError("attention_core: dropout_p > 0 needs keep, the (B, H, T, T) bool mask of kept weights")
     B, T, three_dim = qkv.shape
     dim = three_dim // 3
     hd = dim // n_heads
@@ -46,6 +59,9 @@ def attention_core(
     weights = torch.softmax(scores, dim=-1)  # (B, H, T, T); NaN on rows with no allowed key
     has_key = allowed.any(dim=-1, keepdim=True)  # (B or 1, 1, T, 1)
     weights = torch.where(has_key, weights, torch.zeros_like(weights))  # such rows give 0
+    if dropout_p > 0:
+        assert keep is not None
+        weights = weights * keep / (1 - dropout_p)  # (B, H, T, T), in qkv's dtype
 
     y = weights @ v  # (B, H, T, hd)
     y = y.transpose(1, 2).reshape(B, T, dim)  # (B, T, dim)

@@ -8,6 +8,12 @@
 //
 // Query t attends keys 0..t that are real; scores are q.k / sqrt(hd), masked scores are -inf
 // before the softmax, and a query with no allowed key gives 0 (never NaN).
+//
+// Attention-weight dropout (training): with probability dropout_p in [0, 1), each weight of the
+// softmax is dropped and the kept ones are scaled by 1 / (1 - dropout_p): P_drop = P * keep / (1 - p),
+// out = P_drop v. On CPU the keep decisions are a pure function of (seed, b, h, i, j) (Philox4x32-10,
+// see dropout_keep_mask), the same in the forward and the backward, for any thread count.
+// dropout_p = 0 is the exact path, bit for bit.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -29,6 +35,20 @@ std::optional<at::Tensor> normalize_key_padding_mask(const std::optional<at::Ten
 // A key padding mask as bool: bool is copied; an integer mask must hold only 0 and 1 (ValueError).
 at::Tensor mask_to_bool(const at::Tensor& key_padding_mask);
 
+// Validates a dropout probability: 0 <= dropout_p < 1 (ValueError naming dropout).
+void check_dropout(double dropout_p);
+
+// A dropout seed's value: an int64 tensor with one element (0-d or (1,)), on the CPU.
+int64_t seed_value(const at::Tensor& seed);
+
+// A fresh dropout seed (0-d int64) from the default CPU generator (torch.manual_seed reproduces it).
+at::Tensor draw_dropout_seed();
+
+// The keep decisions of attention-weight dropout: bool (B, H, T, T), keep[b, h, i, j] = whether
+// weight (b, h, i, j) is kept under this seed and dropout_p (all true for dropout_p = 0). It is
+// what the fused kernels compute, tile by tile, for the reference and the tests.
+at::Tensor dropout_keep_mask(const at::Tensor& seed, int64_t B, int64_t H, int64_t T, double dropout_p);
+
 // Generation: checks that 0 <= start <= end <= start + new_tokens and end <= max_len for every
 // sequence (ValueError naming the sequence; "KV cache overflow" past max_len).
 void check_cache_positions(const at::Tensor& start, const at::Tensor& end, int64_t new_tokens, int64_t max_len);
@@ -39,20 +59,23 @@ void check_cache_positions(const at::Tensor& start, const at::Tensor& end, int64
 at::Tensor cache_end(const at::Tensor& lengths, const std::optional<at::Tensor>& key_padding_mask, int64_t new_tokens,
                      int64_t max_len);
 
-// The attention core through the dispatcher (autograd, torch.compile, every backend).
+// The attention core through the dispatcher (autograd, torch.compile, every backend). With
+// dropout_p > 0 and no seed, a seed is drawn from the default CPU generator (draw_dropout_seed);
+// on other devices dropout is scaled_dot_product_attention's (its own generator; seed unused).
 at::Tensor attention(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
-                     int64_t n_heads);
+                     int64_t n_heads, double dropout_p = 0.0, const std::optional<at::Tensor>& seed = std::nullopt);
 
 namespace kernels {
 
 // Composition of ATen operations (scaled_dot_product_attention); any device, autograd by ATen.
 at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
-                               int64_t n_heads);
+                               int64_t n_heads, double dropout_p = 0.0);
 
 // The specification in ATen operations (materialises T x T): differentiable any number of times;
-// the fused kernel's double backward uses it.
+// the fused kernel's double backward uses it. keep (B, H, T, T) bool: the dropout decisions
+// (P_drop = P * keep / (1 - dropout_p)), or none.
 at::Tensor attention_math(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
-                          int64_t n_heads);
+                          int64_t n_heads, double dropout_p = 0.0, const std::optional<at::Tensor>& keep = std::nullopt);
 
 // The fused CPU kernel's tiles: block_q queries against block_k keys (measured on AVX-512, 2 threads).
 inline constexpr int64_t kBlockQ = 128;     // forward
@@ -65,14 +88,21 @@ inline constexpr int64_t kDiagonalRows = 64;
 
 // Fused CPU forward: (out (B, T, dim), lse (B, H, T)). lse is float32 (float64 for float64 inputs);
 // a query with no allowed key has out = 0 and lse = +inf. key_padding_mask: bool (B, T) or none.
+// dropout_p > 0: attention-weight dropout with this seed (lse stays the softmax's, before dropout).
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& qkv,
                                                          const std::optional<at::Tensor>& key_padding_mask,
-                                                         int64_t n_heads);
+                                                         int64_t n_heads, double dropout_p = 0.0,
+                                                         const std::optional<at::Tensor>& seed = std::nullopt);
 
-// Fused CPU backward from the forward's out and lse: grad_qkv (B, T, 3 * dim).
+// Fused CPU backward from the forward's out and lse: grad_qkv (B, T, 3 * dim). dropout_p and seed
+// must be the forward's: the keep decisions are regenerated.
 at::Tensor attention_backward_cpu(const at::Tensor& grad_out, const at::Tensor& qkv,
                                   const std::optional<at::Tensor>& key_padding_mask, const at::Tensor& out,
-                                  const at::Tensor& lse, int64_t n_heads);
+                                  const at::Tensor& lse, int64_t n_heads, double dropout_p = 0.0,
+                                  const std::optional<at::Tensor>& seed = std::nullopt);
+
+// dropout_keep_mask on the CPU (the seed is a CPU tensor).
+at::Tensor dropout_keep_mask_cpu(const at::Tensor& seed, int64_t B, int64_t H, int64_t T, double dropout_p);
 
 // Static KV cache (B, H, max_len, hd): writes the k and v of the real new tokens of qkv (B, t, 3 * dim),
 // the first end[b] - start[b] of sequence b, at positions start[b] .. end[b] - 1 (right padding is

@@ -3,6 +3,7 @@
 //   causal_attention::CausalSelfAttention attn(768, 12);
 //   auto y = attn->forward(x);                    // x (B, T, 768) -> y (B, T, 768)
 //   auto z = attn->forward(x, key_padding_mask);  // (B, T) bool, True = real token
+//   causal_attention::CausalSelfAttention drop(768, 12, /*dropout=*/0.1);  // attention-weight dropout
 #pragma once
 
 #include <torch/nn/module.h>
@@ -26,14 +27,17 @@ struct KVCache {
 
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
-  // dim % n_heads != 0 is a ValueError naming both numbers.
-  CausalSelfAttentionImpl(int64_t dim, int64_t n_heads);
+  // dim % n_heads != 0 is a ValueError naming both numbers. dropout: the probability of dropping
+  // an attention weight, in [0, 1) (ValueError otherwise), applied only while the module is
+  // training (train()); 0 keeps every exactness guarantee. Seeds come from the default CPU
+  // generator (torch::manual_seed reproduces a run).
+  CausalSelfAttentionImpl(int64_t dim, int64_t n_heads, double dropout = 0.0);
 
   // x (B, T, dim), key_padding_mask (B, T) bool or integer 0/1 (True = real) -> (B, T, dim).
   at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& key_padding_mask = std::nullopt);
 
   // Generation (inference only, CPU): x (B, t, dim) holds the new tokens of each sequence; they
-  // attend the cache plus the new tokens up to themselves, their keys and values are written at
+  // attend the cache plus the new tokens up to themselves (never with dropout), their keys and values are written at
   // each sequence's own position, and its length grows by its real new tokens (the mask, right
   // padding, says which). Same contract as the Python forward(x, mask, cache=cache).
   at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& key_padding_mask, KVCache& cache);
@@ -43,6 +47,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   int64_t dim() const { return dim_; }
   int64_t n_heads() const { return n_heads_; }
   int64_t head_dim() const { return dim_ / n_heads_; }
+  double dropout() const { return dropout_; }
 
   torch::nn::Linear qkv{nullptr};   // dim -> 3 * dim, split q | k | v
   torch::nn::Linear proj{nullptr};  // dim -> dim
@@ -52,6 +57,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
 
   int64_t dim_;
   int64_t n_heads_;
+  double dropout_;
 };
 
 TORCH_MODULE(CausalSelfAttention);
