@@ -57,6 +57,7 @@ demo: install
 
 bench: install
 	$(PY) -m causal_attention bench
+	$(PY) -m causal_attention bench-transformers
 
 # The C++ tests under AddressSanitizer and UndefinedBehaviorSanitizer (a separate build).
 ASAN_BUILD := build/sanitize

@@ -268,39 +268,37 @@ def test_layer_scaled_attention_falls_back_to_sdpa(monkeypatch: pytest.MonkeyPat
     assert_same(ours, theirs, torch.float64)
 
 
-def test_training_dropout(monkeypatch: pytest.MonkeyPatch) -> None:
-    """attn_pdrop > 0 in train mode: the engine's dropout once it has one, else sdpa's."""
+def test_training_dropout_runs_in_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """attn_pdrop > 0 in train mode: the engine's fused dropout serves it (no fallback), outputs
+    vary between calls, torch.manual_seed reproduces them, and eval mode passes dropout 0."""
     model = twins(GPT2LMHeadModel, gpt2_config(attn_pdrop=0.5), (NAME,), torch.float32)[NAME]
     model.train()
     ids, mask = batch()
-    spy = Spy(monkeypatch)
-    model(ids, attention_mask=mask, use_cache=False).logits.sum().backward()
-    assert spy.engine_calls == (2 if hf_attention.engine_supports_dropout() else 0)
-    reasons = hf_attention.fallback_reasons(model.transformer.h[0].attn, *(torch.zeros(1, 4, 3, 16),) * 3, None,
-                                            dropout=0.5)
-    assert any("dropout" in r for r in reasons) != hf_attention.engine_supports_dropout()
-
-
-def test_dropout_reaches_the_engine_once_it_takes_dropout_p(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With an engine whose core takes dropout_p (stood in for here), training dropout runs in it."""
-    model = twins(GPT2LMHeadModel, gpt2_config(attn_pdrop=0.25), (NAME,), torch.float32)[NAME]
-    model.train()
     got: list[float] = []
     attention = _ops.attention
 
-    def attention_with_dropout(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int,
-                               dropout_p: float = 0.0) -> Tensor:
+    def recording(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int, dropout_p: float = 0.0,
+                  seed: Tensor | None = None) -> Tensor:
         got.append(dropout_p)
-        return attention(qkv, key_padding_mask, n_heads)
+        return attention(qkv, key_padding_mask, n_heads, dropout_p, seed)
 
-    monkeypatch.setattr(_ops, "attention", attention_with_dropout)
-    monkeypatch.setattr(hf_attention, "ENGINE_DROPOUT", True)
-    ids, mask = batch()
+    monkeypatch.setattr(_ops, "attention", recording)
+    torch.manual_seed(1)
+    a = model(ids, attention_mask=mask, use_cache=False).logits
+    a.sum().backward()
+    torch.manual_seed(1)
+    b = model(ids, attention_mask=mask, use_cache=False).logits
+    c = model(ids, attention_mask=mask, use_cache=False).logits
+    assert got == [0.5] * 6
+    real = mask.bool()
+    assert torch.equal(a, b) and not torch.allclose(b[real], c[real])
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+    model.eval()
     model(ids, attention_mask=mask, use_cache=False)
-    assert got == [0.25, 0.25]
-    model.eval()  # transformers passes dropout=0.0 in eval mode
-    model(ids, attention_mask=mask, use_cache=False)
-    assert got == [0.25, 0.25, 0.0, 0.0]
+    assert got[-2:] == [0.0, 0.0]
+    reasons = hf_attention.fallback_reasons(model.transformer.h[0].attn, *(torch.zeros(1, 4, 3, 16),) * 3, None,
+                                            dropout=0.5, scaling=16**-0.5)
+    assert reasons == []
 
 
 def test_fallback_reasons_name_the_cause() -> None:

@@ -128,7 +128,7 @@ def prefill_rows(*, dtype: torch.dtype, repeats: int, quick: bool, progress: Pro
                         f"(one layer's time x {config.n_layer}; > {budget_s:.0f} s)")
     models = _models(config, (name, "sdpa", "eager"), dtype)
     times = _timed({k: forward(m) for k, m in models.items()}, repeats, progress, f"prefill {dt}")
-    section = f"prefill {dt} B={shape['B']} T={shape['T']} lengths={shape['lengths']}"
+    section = f"transformers + engine: prefill {dt} B={shape['B']} T={shape['T']} lengths={shape['lengths']}"
     return _rows(section, times, name, {"sdpa": "prefill vs sdpa", "eager": "prefill vs eager"}), None
 
 
@@ -162,7 +162,7 @@ def attention_rows(*, dtype: torch.dtype, repeats: int, quick: bool, progress: P
     }
     dt = str(dtype).replace("torch.", "")
     times = _timed(fns, repeats, progress, f"attention {dt}")
-    section = f"attention (one layer) {dt} B={B} T={T} H={H} hd={hd}"
+    section = f"transformers + engine: attention (one layer) {dt} B={B} T={T} H={H} hd={hd}"
     rows = _rows(section, times, "ours", {"sdpa": "attention vs sdpa", "eager": "attention vs eager"})
     rows += _rows(section, times, "ours_copy", {"sdpa": "attention, k/v copies (cache) vs sdpa"})
     return rows
@@ -203,8 +203,10 @@ def plot_rows(rows: list[Row], path: Path, *, title: str) -> None:
     plt.close(fig)
 
 
-def main(*, out_dir: Path, repeats: int, bf16: bool, quick: bool) -> dict:
-    """Times the rows (float32; bfloat16 too when bf16), prints the table, writes
+def main(*, out_dir: Path, repeats: int, bf16: bool, quick: bool, gpt: bool = True) -> dict:
+    """Times the rows (float32; bfloat16 too when bf16): the project's GPT against GPT2LMHeadModel on
+    the same weights (bench_gpt2.py; bfloat16 at reduced sizes) when gpt, then the engine inside
+    transformers; prints the table, writes
     out_dir/bench_transformers.json and out_dir/bench_transformers.png, returns the report."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1; got {repeats}")
@@ -220,6 +222,14 @@ def main(*, out_dir: Path, repeats: int, bf16: bool, quick: bool) -> dict:
     skipped: list[str] = []
     try:
         with Progress(transient=True) as progress:
+            if gpt:
+                from . import bench_gpt2
+
+                say = progress.console.print
+                rows += bench_gpt2.gpt2_rows(size="quick" if quick else "full", repeats=repeats, progress=say)
+                if bf16:
+                    rows += bench_gpt2.gpt2_rows(size="quick" if quick else "reduced", dtype=torch.bfloat16,
+                                                 repeats=max(1, repeats // 2), progress=say)
             rows += prefill_rows(dtype=torch.float32, repeats=repeats, quick=quick, progress=progress)[0]
             rows += attention_rows(dtype=torch.float32, repeats=repeats, quick=quick, progress=progress)
             if bf16:
@@ -242,7 +252,7 @@ def main(*, out_dir: Path, repeats: int, bf16: bool, quick: bool) -> dict:
     }
     print_rows(rows, skipped)
     (out_dir / "bench_transformers.json").write_text(json.dumps(report, indent=2))
-    title = (f"causal_attention as a transformers attention implementation, GPT-2 {'tiny' if quick else '124M'}, "
+    title = (f"GPT and the engine against transformers, GPT-2 {'tiny' if quick else '124M'}, "
              f"2 threads, medians of {repeats}")
     plot_rows(rows, out_dir / "bench_transformers.png", title=title)
     return report

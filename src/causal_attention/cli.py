@@ -1,4 +1,4 @@
-"""``python -m causal_attention {check, bench, demo, convert}``."""
+"""``python -m causal_attention {check, bench, bench-transformers, demo, convert}``."""
 
 from __future__ import annotations
 
@@ -71,6 +71,16 @@ def main(argv: list[str] | None = None) -> None:
                        metavar="B,ctx,dim,H", help="the decode step's shape; the generation rows use prompts of "
                        "about ctx/2 tokens (default: 8,2048,768,12)")
 
+    bench_tf = sub.add_parser("bench-transformers",
+                              help="GPT and the engine against transformers' GPT-2 on the same weights, with a plot")
+    bench_tf.add_argument("--repeats", type=_positive, default=3, help="interleaved timing rounds (median)")
+    bench_tf.add_argument("--out", type=Path, default=Path("bench_out"),
+                          help="where to write bench_transformers.json and bench_transformers.png")
+    bench_tf.add_argument("--no-bf16", dest="bf16", action="store_false", help="skip the bfloat16 rows")
+    bench_tf.add_argument("--no-gpt", dest="gpt", action="store_false",
+                          help="skip the GPT-vs-GPT2LMHeadModel rows (keep the engine-inside-transformers rows)")
+    bench_tf.add_argument("--quick", action="store_true", help="a tiny model and short sequences (a smoke test)")
+
     demo = sub.add_parser("demo", help="train a tiny GPT on digit reversal, then generate with the KV cache")
     demo.add_argument("--steps", type=int, default=1500, help="training steps")
     demo.add_argument("--seed", type=int, default=0, help="same seed, same result")
@@ -108,6 +118,10 @@ def main(argv: list[str] | None = None) -> None:
                                 target_format=args.target_format, n_heads=args.n_heads)
         except (checkpoints.CheckpointError, FileNotFoundError, ValueError, TypeError) as exc:
             parser.exit(2, f"convert: error: {exc}\n")
+    elif args.command == "bench-transformers":
+        from . import bench_transformers
+
+        bench_transformers.main(out_dir=args.out, repeats=args.repeats, bf16=args.bf16, quick=args.quick, gpt=args.gpt)
     elif args.command == "bench":
         from . import bench as bench_mod
 

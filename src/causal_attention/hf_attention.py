@@ -24,7 +24,6 @@ Importing this module does not import transformers; ``register`` does.
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
@@ -39,16 +38,6 @@ DEFAULT_NAME = "causal_attention"
 # Keyword arguments of an attention call that change what attention computes: with any of them set
 # (not None, not False) the call falls back to sdpa (which raises or handles them as it does).
 _UNSERVED_KWARGS = ("softcap", "sliding_window", "position_bias", "s_aux", "sinks", "head_mask", "output_attentions")
-
-
-# The engine's core takes attention dropout once it has a dropout_p= keyword (read once, here).
-ENGINE_DROPOUT: bool = "dropout_p" in inspect.signature(_ops.attention).parameters
-
-
-def engine_supports_dropout() -> bool:
-    """True when the engine's core (``_ops.attention``) takes a ``dropout_p=`` keyword: then
-    training-mode attention dropout runs in the engine, else such calls fall back to sdpa."""
-    return ENGINE_DROPOUT
 
 
 def key_padding_mask(
@@ -177,8 +166,6 @@ def fallback_reasons(
         reasons.append("not causal (is_causal=False)")
     if scaling is not None and not math.isclose(scaling, hd**-0.5, rel_tol=1e-12):
         reasons.append(f"scaling {scaling} is not 1/sqrt(head_dim) = {hd**-0.5}")
-    if dropout > 0.0 and not engine_supports_dropout():
-        reasons.append(f"dropout {dropout} (the engine's core has no dropout_p yet)")
     for name in _UNSERVED_KWARGS:
         if kwargs.get(name) not in (None, False):
             reasons.append(f"{name} is set")
@@ -219,10 +206,8 @@ def causal_attention_forward(
     qkv = fused_view(query, key, value)
     if qkv is None:
         qkv = joined_qkv(query, key, value)  # (B, T, 3 * dim), one copy
-    if dropout > 0.0:  # only reached once the engine takes dropout_p (see fallback_reasons)
-        out = _ops.attention(qkv, attention_mask, H, dropout_p=dropout)  # type: ignore[call-arg]
-    else:
-        out = _ops.attention(qkv, attention_mask, H)  # (B, T, dim)
+    # Attention dropout in the fused kernel (transformers passes dropout=0.0 in eval mode).
+    out = _ops.attention(qkv, attention_mask, H, dropout_p=float(dropout))  # (B, T, dim)
     return out.view(B, T, H, hd), None  # (B, T, H, hd): heads as the engine wrote them, no copy
 
 
