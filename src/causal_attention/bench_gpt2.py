@@ -4,7 +4,9 @@ default): a right-padded prefill forward, and generation for a ragged batch of p
 Both sides get the same weights (``GPT.from_huggingface``), the same thread count, and are timed
 interleaved in one process (median of rounds). transformers runs with ``attn_implementation``
 ``"sdpa"`` and ``"eager"``; its batched generation needs left padding (given its attention_mask),
-ours prefills the prompts right-padded into a static KV cache.
+ours prefills the prompts right-padded into a static KV cache. Rows: the whole forward with logits
+at every position; a prefill that needs the logits at each sequence's last real token only (ours:
+``GPT.last_logits``; transformers: its hidden states, then lm_head at those positions); generation.
 
 Shapes: B prompts / sequences, T tokens, V vocabulary.
 """
@@ -76,7 +78,7 @@ def gpt2_rows(*, size: str = "full", dtype: torch.dtype = torch.float32, repeats
     ids, attention_mask = left_padded(prompts)
     rows: list[Row] = []
     with torch.no_grad():
-        say(f"{label} {name}: padded prefill forward, B={len(lengths)} T={T}")
+        say(f"{label} {name}: right-padded forward, B={len(lengths)} T={T}")
         fwd = interleaved_medians({
             "ours": lambda: ours(tokens, mask),
             "sdpa": lambda: hf_sdpa(tokens, attention_mask=mask.long()).logits,
@@ -84,8 +86,28 @@ def gpt2_rows(*, size: str = "full", dtype: torch.dtype = torch.float32, repeats
         }, repeats=repeats, warmup=1)
         section = f"{label} {name}"
         shape = f"B={len(lengths)} T={T} lengths {lengths}"
-        rows.append(_row(section, f"forward, right-padded ({shape}) vs transformers sdpa", fwd["ours"], fwd["sdpa"]))
-        rows.append(_row(section, f"forward, right-padded ({shape}) vs transformers eager", fwd["ours"], fwd["eager"]))
+        rows.append(_row(section, f"forward, logits everywhere ({shape}) vs transformers sdpa", fwd["ours"], fwd["sdpa"]))
+        rows.append(_row(section, f"forward, logits everywhere ({shape}) vs transformers eager", fwd["ours"], fwd["eager"]))
+        say(f"{label} {name}: prefill for generation (logits at each sequence's last real token)")
+        lengths_t = torch.tensor(lengths)
+        rows_b = torch.arange(len(lengths))
+
+        def hf_last(model: Any) -> Callable[[], Tensor]:
+            # What a careful transformers user does with right padding: hidden states, then the head
+            # at each sequence's last real token only.
+            def run() -> Tensor:
+                hidden = model.transformer(tokens, attention_mask=mask.long(), use_cache=False).last_hidden_state
+                return model.lm_head(hidden[rows_b, lengths_t - 1])  # (B, V)
+            return run
+
+        last = interleaved_medians({
+            "ours": lambda: ours.last_logits(tokens, lengths_t),
+            "sdpa": hf_last(hf_sdpa),
+            "eager": hf_last(hf_eager),
+        }, repeats=repeats, warmup=1)
+        what_last = f"prefill, logits at the last real token ({shape})"
+        rows.append(_row(section, f"{what_last} vs transformers sdpa", last["ours"], last["sdpa"]))
+        rows.append(_row(section, f"{what_last} vs transformers eager", last["ours"], last["eager"]))
         say(f"{label} {name}: generate {new_tokens} tokens for {len(prompts)} ragged prompts")
         gen_t = interleaved_medians({
             "ours": lambda: ours.generate(prompts, new_tokens),

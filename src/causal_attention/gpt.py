@@ -155,6 +155,14 @@ class _Packing:
     def of(cls, mask: Tensor) -> _Packing:
         return cls(mask, mask.flatten().nonzero().squeeze(1))
 
+    def right_padded_lengths(self) -> list[int] | None:
+        """Each sequence's length when the padding is all on the right, else None."""
+        lengths = self.mask.sum(1)  # (B,)
+        T = self.mask.shape[1]
+        if not bool((self.mask == (torch.arange(T, device=self.mask.device)[None, :] < lengths[:, None])).all()):
+            return None
+        return lengths.tolist()
+
     def pack(self, x: Tensor) -> Tensor:
         """(B, T, ...) -> (N, ...)."""
         return x.flatten(0, 1).index_select(0, self.index)
@@ -273,10 +281,27 @@ class GPT(nn.Module):
             return self._zero_padding(self.logits(self.ln_f(x)), mask), maps
         h, packing = self.hidden_states(tokens, key_padding_mask, caches=caches)
         if packing is not None:
-            return packing.unpack(self.logits(h))  # (B, T, V), zeros at padding
+            return self._padded_logits(h, packing)  # (B, T, V), zeros at padding
         logits = self.logits(h)  # (B, T, V)
         if key_padding_mask is not None and _tracing():  # eager: no padding here (else it was packed)
             logits = self._zero_padding(logits, normalize_key_padding_mask(key_padding_mask, h))
+        return logits
+
+    def _padded_logits(self, h: Tensor, packing: _Packing) -> Tensor:
+        """Packed hidden states (N, dim) -> logits (B, T, V) with zeros at padding. Without autograd
+        and with right padding, each sequence's logits are written in place by the head's product
+        (no (N, V) temporary, no scatter); otherwise one scatter."""
+        weight = self.head_weight
+        lengths = packing.right_padded_lengths()
+        if lengths is None or (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
+            return packing.unpack(self.logits(h))
+        B, T = packing.mask.shape
+        logits = h.new_empty(B, T, weight.shape[0])
+        start = 0
+        for b, n in enumerate(lengths):
+            torch.mm(h[start : start + n], weight.t(), out=logits[b, :n])
+            logits[b, n:].zero_()
+            start += n
         return logits
 
     @staticmethod
