@@ -244,3 +244,20 @@ def test_inference_logits_written_in_place_equal_the_autograd_path(layout: str):
     assert slow.requires_grad
     assert rel_err(fast[mask], slow.detach()[mask]) <= 1e-12
     assert torch.equal(fast[~mask], torch.zeros_like(fast[~mask]))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(4, 1, 48), (1, 3, 48), (2, 7, 48)])
+def test_few_rows_linear_equals_nn_linear(bias: bool, shape: tuple[int, int, int]):
+    """The decode step's Linear (W x^T for a few rows, inference) equals nn.Linear; with autograd or
+    more rows it is nn.Linear itself."""
+    from causal_attention.module import FEW_ROWS, few_rows_linear
+
+    layer = nn.Linear(48, 80, bias=bias, dtype=F64)
+    x = torch.randn(*shape, dtype=F64)
+    with torch.no_grad():
+        fast = few_rows_linear(layer, x)
+    assert fast.shape == (*shape[:2], 80)
+    assert rel_err(fast, layer(x).detach()) <= 1e-14
+    assert (shape[0] * shape[1] <= FEW_ROWS) or torch.equal(fast, layer(x).detach())
+    assert few_rows_linear(layer, x).requires_grad  # autograd: nn.Linear's path

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .cache import KVCache
-from .module import CausalSelfAttention, normalize_key_padding_mask
+from .module import FEW_ROWS, CausalSelfAttention, _tracing, few_rows_linear, normalize_key_padding_mask
 
 Activation = Literal["gelu", "gelu_tanh"]
 
@@ -131,6 +131,9 @@ class Block(nn.Module):
         else:
             a = self.attn(self.ln1(x), mask, cache=cache)
         x = x + self.attn_drop(a)
+        if cache is not None:  # a decode step: a few rows, no autograd (the cache is inference-only)
+            h = few_rows_linear(self.mlp[2], self.mlp[1](few_rows_linear(self.mlp[0], self.ln2(x))))
+            return x + self.mlp[3](h), weights
         x = x + self.mlp(self.ln2(x))
         return x, weights
 
@@ -172,10 +175,6 @@ class _Packing:
         B, T = self.mask.shape
         full = x.new_zeros((B * T,) + tuple(x.shape[1:]))
         return full.index_copy(0, self.index, x).unflatten(0, (B, T))
-
-
-def _tracing() -> bool:
-    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
 class GPT(nn.Module):
@@ -252,7 +251,12 @@ class GPT(nn.Module):
 
     def logits(self, h: Tensor) -> Tensor:
         """Hidden states (..., dim) -> logits (..., V)."""
-        return h @ self.head_weight.t()
+        weight = self.head_weight
+        rows = h.numel() // max(1, h.shape[-1])
+        if rows <= FEW_ROWS and not torch.is_grad_enabled() and not _tracing():
+            h2 = h.reshape(rows, h.shape[-1])
+            return torch.mm(weight, h2.t()).t().reshape(*h.shape[:-1], weight.shape[0])  # W h^T: see few_rows_linear
+        return h @ weight.t()
 
     def forward(
         self,
