@@ -231,6 +231,16 @@ def _check_mask_buffers(state: Mapping[str, Tensor], pattern: re.Pattern[str], s
                 raise CheckpointError(f"{source}: {key!r} is not the causal mask; GPT implements causal attention only")
 
 
+def _converted(state: Mapping[str, Tensor], config: GPTConfig, *, transpose: bool, prefix: str, source: str,
+               buffers: re.Pattern[str]) -> GPT:
+    """A GPT for config holding their state (GPT-2's or nanoGPT's names; causal-mask buffers
+    matching `buffers` checked, then dropped), every tensor checked and named in their layout."""
+    _check_mask_buffers(state, buffers, source)
+    ours, origin = _rename(state, config, transpose=transpose, prefix=prefix, source=source,
+                           head_key="lm_head.weight", ignore=buffers)
+    return load_strict(_model_like(config, ours), ours, source=source, origin=origin)
+
+
 def _hf_prefix(state: Mapping[str, Tensor]) -> str:
     return "transformer." if any(k.startswith("transformer.") for k in state) else ""
 
@@ -306,10 +316,7 @@ def from_huggingface(source: Any, *, n_heads: int | None = None) -> GPT:
         raise CheckpointError(f"n_heads={n_heads} contradicts the checkpoint's config (n_head={config.n_heads})")
     if not config.bias:
         raise CheckpointError(f"{name}: GPT-2 has biases everywhere; ln_f.bias is missing")
-    _check_mask_buffers(state, _HF_BUFFERS, name)
-    ours, origin = _rename(state, config, transpose=True, prefix=prefix, source=name, head_key="lm_head.weight",
-                   ignore=_HF_BUFFERS)
-    return load_strict(_model_like(config, ours), ours, source=name, origin=origin)
+    return _converted(state, config, transpose=True, prefix=prefix, source=name, buffers=_HF_BUFFERS)
 
 
 def to_huggingface_state_dict(model: GPT) -> dict[str, Tensor]:
@@ -390,10 +397,7 @@ def from_nanogpt(source: Any, *, n_heads: int | None = None) -> GPT:
         config = GPTConfig(**_config_from_shapes(state, prefix, n_heads, transpose=False, source=name))
     if prefix + "lm_head.weight" in state:
         raise CheckpointError(f"{name}: unexpected tensor 'transformer.lm_head.weight'")
-    _check_mask_buffers(state, _NANO_BUFFERS, name)
-    ours, origin = _rename(state, config, transpose=False, prefix=prefix, source=name, head_key="lm_head.weight",
-                   ignore=_NANO_BUFFERS)
-    return load_strict(_model_like(config, ours), ours, source=name, origin=origin)
+    return _converted(state, config, transpose=False, prefix=prefix, source=name, buffers=_NANO_BUFFERS)
 
 
 def to_nanogpt_state_dict(model: GPT) -> dict[str, Tensor]:
