@@ -207,7 +207,7 @@ def test_the_comparison_catches_a_broken_engine_call(mutant: str, monkeypatch: p
     weights = torch.randn(int(mask.sum()), VOCAB)
     theirs = logits_and_grads(models["eager"], ids, mask, weights, use_cache=False)
     attention = _ops.attention
-    monkeypatch.setattr(_ops, "attention", lambda *args: attention(*mutate(*args)))
+    monkeypatch.setattr(_ops, "attention", lambda *args, **kwargs: attention(*mutate(*args), **kwargs))
     ours = logits_and_grads(models[NAME], ids, mask, weights, use_cache=False)
     with pytest.raises(AssertionError):
         assert_same(ours, theirs, torch.float32)
