@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .cache import KVCache
-from .module import FEW_ROWS, CausalSelfAttention, _tracing, few_rows_linear, normalize_key_padding_mask
+from .module import CausalSelfAttention, _tracing, few_rows_linear, few_rows_matmul, normalize_key_padding_mask
 
 Activation = Literal["gelu", "gelu_tanh"]
 
@@ -252,11 +252,8 @@ class GPT(nn.Module):
     def logits(self, h: Tensor) -> Tensor:
         """Hidden states (..., dim) -> logits (..., V)."""
         weight = self.head_weight
-        rows = h.numel() // max(1, h.shape[-1])
-        if rows <= FEW_ROWS and not torch.is_grad_enabled() and not _tracing():
-            h2 = h.reshape(rows, h.shape[-1])
-            return torch.mm(weight, h2.t()).t().reshape(*h.shape[:-1], weight.shape[0])  # W h^T: see few_rows_linear
-        return h @ weight.t()
+        y = few_rows_matmul(h, weight)  # a decode step: W h^T
+        return h @ weight.t() if y is None else y
 
     def forward(
         self,

@@ -55,18 +55,21 @@ def normalize_key_padding_mask(key_padding_mask: Tensor | None, x: Tensor) -> Te
 FEW_ROWS = 8
 
 
-def few_rows_linear(layer: nn.Linear, x: Tensor) -> Tensor:
-    """layer(x) for x (..., in) -> (..., out); computed as (W x^T)^T when x has few rows and no
-    gradient is wanted (inference: a decode step), else by nn.Linear."""
+def few_rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor | None:
+    """x (..., in) @ weight^T (+ bias) -> (..., out), computed as (W x^T)^T, when x has few rows
+    and no gradient is wanted (inference: a decode step); None otherwise (the caller's usual path)."""
     rows = x.numel() // max(1, x.shape[-1])
     if rows > FEW_ROWS or torch.is_grad_enabled() or _tracing():
-        return layer(x)
+        return None
     x2 = x.reshape(rows, x.shape[-1])
-    if layer.bias is None:
-        y = torch.mm(layer.weight, x2.t())  # (out, rows)
-    else:
-        y = torch.addmm(layer.bias[:, None], layer.weight, x2.t())
-    return y.t().reshape(*x.shape[:-1], layer.weight.shape[0])
+    y = torch.mm(weight, x2.t()) if bias is None else torch.addmm(bias[:, None], weight, x2.t())  # (out, rows)
+    return y.t().reshape(*x.shape[:-1], weight.shape[0])
+
+
+def few_rows_linear(layer: nn.Linear, x: Tensor) -> Tensor:
+    """layer(x), by few_rows_matmul when it applies."""
+    y = few_rows_matmul(x, layer.weight, layer.bias)
+    return layer(x) if y is None else y
 
 
 def _tracing() -> bool:
