@@ -28,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 CHECKED_LANGUAGES = {"python", "sh", "text", "cpp"}
-CPP_BLOCKS = 1  # the README's C++ example, built and run by tests/test_cpp_package.py
+CPP_BLOCKS = 2  # built and run: the C++ example by tests/test_cpp_package.py, the AOTInductor one by tests/test_aoti_cpp.py
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@
 
 #include <ATen/ATen.h>
 
+#include "causal_attention/link.h"
+
 #include <cstdint>
 #include <optional>
 #include <tuple>

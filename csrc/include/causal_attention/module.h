@@ -12,6 +12,8 @@
 
 #include <optional>
 
+#include "causal_attention/link.h"
+
 namespace causal_attention {
 
 // A static KV cache for one layer: keys and values (B, H, max_len, head_dim), lengths (B,) int64.
