@@ -194,3 +194,16 @@ def test_gpt_package_in_python_equals_eager(built: tuple[Path, GPT, CausalSelfAt
     ]:
         with torch.no_grad():
             assert relative_error(loaded(tokens, mask), gpt(tokens, mask)) <= 1e-5
+
+
+def test_gpt_package_refuses_tokens_out_of_range(built: tuple[Path, GPT, CausalSelfAttention]) -> None:
+    """A token id outside [0, vocab_size) is a clear error from the compiled package (not an abort
+    inside the embedding's parallel loop), as in eager."""
+    work, gpt, _ = built
+    loaded = torch._inductor.aoti_load_package(str(work / "gpt.pt2"))
+    for bad in (GPT_CONFIG.vocab_size, -1):
+        tokens = torch.randint(0, GPT_CONFIG.vocab_size, (2, 5))
+        tokens[1, 3] = bad
+        for model in (loaded, gpt):
+            with pytest.raises(RuntimeError, match=r"tokens must be in \[0, vocab_size=13\)"):
+                model(tokens, ragged_mask([5, 4], 5))

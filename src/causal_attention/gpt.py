@@ -214,6 +214,10 @@ class GPT(nn.Module):
         if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"tokens must be an int64 or int32 tensor of shape (B, T); got {tokens!r:.80}")
         B, T = tokens.shape
+        V = self.config.vocab_size
+        # Checked here, where compile and export keep it: a compiled embedding's own bounds check
+        # fires inside a parallel loop, which aborts the process (AOTInductor, C++ callers) instead of raising.
+        torch._assert_async(((tokens >= 0) & (tokens < V)).all(), f"tokens must be in [0, vocab_size={V})")
         if caches is not None:
             if len(caches) != len(self.blocks):
                 raise ValueError(f"caches must hold one KVCache per layer ({len(self.blocks)}); got {len(caches)}")
