@@ -64,7 +64,7 @@ def test_bench_at_tiny_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     B, H, hd, lengths = 2, 2, 8, (16, 32)
     dB, ctx, ddim, dH = 2, 64, 32, 2
     cli.main(["--threads", "1", "bench", "--T", *map(str, lengths), "--B", str(B), "--H", str(H), "--hd", str(hd),
-              "--repeats", "1", "--memory-T", "32", "--decode-shape", f"{dB},{ctx},{ddim},{dH}",
+              "--repeats", "1", "--memory-T", "32", "--decode-shape", f"{dB},{ctx},{ddim},{dH}", "--no-flex",
               "--json", str(out), "--plot", str(plot)])
     report = json.loads(out.read_text())
     assert (report["B"], report["H"], report["hd"], report["threads"]) == (B, H, hd, 1)
@@ -127,6 +127,62 @@ def test_bench_switches_leave_out_their_rows(tmp_path: Path) -> None:
     assert {r["dtype"] for r in report["rows"]} == {"float32"} and set(report["mm_gflops"]) == {"float32"}
     assert all(r["fwd_bwd_ms"] is None and r["fwd_bwd_speedup"] is None for r in report["rows"])
     assert report["memory"] == [] and report["decode"] == []
+
+
+def test_bench_flex_rows(tmp_path: Path) -> None:
+    """Compiled FlexAttention among the kernel rows, forward only, and computing the same attention
+    as ours on the real positions (a peer timed on a different problem would be no peer)."""
+    from causal_attention.bench import FLEX, _flex_impl
+
+    out = tmp_path / "bench.json"
+    cli.main(["--threads", "1", "bench", "--T", "24", "--B", "2", "--H", "2", "--hd", "8", "--repeats", "1",
+              "--no-bf16", "--no-memory", "--no-decode", "--json", str(out), "--plot", str(tmp_path / "p.png")])
+    rows = json.loads(out.read_text())["rows"]
+    flex = {r["mask"]: r for r in rows if r["impl"] == FLEX}
+    assert set(flex) == {"causal", "padded"} and all(r["level"] == "kernel" for r in flex.values())
+    assert all(_positive_finite(r["fwd_ms"]) and r["fwd_bwd_ms"] is None for r in flex.values())
+    assert all(r["fwd_bwd_ms"] is not None for r in rows if r["impl"] != FLEX)
+
+    torch.manual_seed(0)
+    B, T, H, hd = 3, 37, 2, 16
+    qkv = torch.randn(B, T, 3 * H * hd)
+    mask = torch.arange(T)[None, :] < torch.tensor([[37], [20], [1]])
+    for m in (None, mask):
+        with torch.no_grad():
+            got, want = _flex_impl(B, T, H, hd, m)(qkv), torch.ops.causal_attention.attention_forward(qkv, m, H)[0]
+        real = slice(None) if m is None else m  # flex gives padding queries the real keys before them
+        assert (got[real] - want[real]).abs().max() <= 1e-5
+
+
+def test_bench_targets_from_rows() -> None:
+    """The performance-target summary reads the right rows: a synthetic report with known times."""
+    from causal_attention.bench import FLEX, Report, Row, targets
+
+    rows = []
+    for dtype, scale in (("float32", 1.0), ("bfloat16", 0.5)):
+        for T in (1024, 2048, 4096):
+            for mask, base in (("padded", "sdpa(bool mask)"), ("causal", "sdpa(is_causal)")):
+                ours = Row("kernel", dtype, T, mask, "ours", fwd_ms=10 * scale * T / 1024, fwd_bwd_ms=30 * scale * T / 1024,
+                           fwd_speedup=2.5, fwd_bwd_speedup=1.2, fwd_ceiling_fraction=0.8 if dtype == "float32" else 0.3,
+                           baseline=base)
+                flex = Row("kernel", dtype, T, mask, FLEX, fwd_ms=ours.fwd_ms * (1.5 if dtype == "float32" else 5.0),
+                           fwd_bwd_ms=None, baseline=base)
+                rows += [ours, flex]
+    report = Report(B=4, H=12, hd=64, threads=2, capability="avx2", mm_gflops={}, mm_n={}, copy_gbs=10.0, rows=rows,
+                    decode=[{"row": "decode step: whole layer", "dtype": "float32", "of_copy": 0.9, "shape": "s"}],
+                    thread_scaling={"T": 2048, "threads": 2, "speedup": 1.9})
+    got = {t["target"]: (t["value"], t["met"]) for t in targets(report)}
+    assert got == {
+        "bf16 forward, of same-run bf16 mm, T=2048": (0.3, False),
+        **{f"bf16 fwd+bwd vs f32 fwd+bwd, T={T}": (2.0, True) for T in (1024, 2048, 4096)},
+        **{f"f32 padded forward vs SDPA(bool mask), T={T}": (2.5, True) for T in (1024, 2048)},
+        **{f"f32 causal fwd+bwd vs SDPA(is_causal), T={T}": (1.2, False) for T in (2048, 4096)},
+        "f32 forward, of same-run sgemm, T=2048": (0.8, False),
+        **{f"f32 forward vs FlexAttention, T={T}": (pytest.approx(1.5), False) for T in (1024, 2048)},
+        **{f"bf16 forward vs FlexAttention, T={T}": (pytest.approx(5.0), True) for T in (1024, 2048)},
+        "decode step, whole layer, f32, of copy bandwidth (s)": (0.9, True),
+        "1 -> 2 threads, fwd+bwd T=2048": (1.9, True),
+    }
 
 
 def test_demo_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,7 +17,8 @@ actually computes, so GFLOP/s compare like with like):
 
 Rows:
 - kernel: the attention core from a qkv tensor (B, T, 3*dim): ours; F.scaled_dot_product_attention
-  with is_causal=True (no padding only) and with the combined (B, 1, T, T) bool mask; the reference.
+  with is_causal=True (no padding only) and with the combined (B, 1, T, T) bool mask; compiled
+  FlexAttention with a causal (+ padding) BlockMask, forward only (it has no CPU backward); the reference.
 - module: the whole layer: ours; nn.MultiheadAttention (need_weights=False) with the same masks.
 - memory: extra peak memory (resident set) of the kernel's forward+backward, in a fresh process.
 - generation: one decode step (the whole layer, and the attention op alone) in float32, bfloat16
@@ -83,6 +84,9 @@ class Report:
     memory: list[dict[str, float]] = field(default_factory=list)
     decode: list[dict[str, float | str]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    # fwd+bwd of our kernel at one T, padded, float32, on 1 thread and on all of them (interleaved).
+    thread_scaling: dict[str, float] = field(default_factory=dict)
+    targets: list[dict[str, object]] = field(default_factory=list)
 
 
 def mm_ceiling(dtype: torch.dtype, repeats: int = 5, *, max_n: int = 2048, enough_s: float = 0.2) -> tuple[float, int]:
@@ -138,7 +142,37 @@ def _timed(fns: dict[str, Callable[[Tensor], Tensor]], x: Tensor, repeats: int, 
     return interleaved_medians({name: make(fn) for name, fn in fns.items()}, repeats=repeats, warmup=2)
 
 
-def _kernel_impls(T: int, H: int, hd: int, mask: Tensor | None) -> dict[str, Callable[[Tensor], Tensor]]:
+FLEX = "flex_attention(compiled)"
+FORWARD_ONLY = (FLEX,)  # no CPU backward: timed in the forward only
+
+
+def _flex_impl(B: int, T: int, H: int, hd: int, mask: Tensor | None) -> Callable[[Tensor], Tensor]:
+    """torch.compile(flex_attention) with a BlockMask for causal (+ key padding), built here,
+    outside the timed region: what a PyTorch user picks for block-sparse masks on CPU (forward
+    only). The first call of each shape and dtype compiles (the timing's warm-up rounds pay it)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if mask is None:
+        def mask_mod(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            return q >= k
+    else:
+        def mask_mod(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            return (q >= k) & mask[b, k]
+    block_mask = create_block_mask(mask_mod, B, None, T, T, device="cpu")
+    # One compiled flex per shape (a fresh torch.compile; dynamo's recompile limit is raised by the
+    # caller so that many shapes never fall back to the eager flex, which is orders slower).
+    flex = torch.compile(flex_attention, dynamic=False)
+
+    def run(qkv: Tensor) -> Tensor:
+        q, k, v = (t.transpose(1, 2) for t in qkv.unflatten(2, (3, H, hd)).unbind(2))  # (B, H, T, hd)
+        return flex(q, k, v, block_mask=block_mask).transpose(1, 2).flatten(2)  # type: ignore[union-attr]
+
+    return run
+
+
+def _kernel_impls(T: int, H: int, hd: int, mask: Tensor | None, *, B: int | None = None) -> dict[str, Callable[[Tensor], Tensor]]:
+    """The attention-core implementations on qkv (B, T, 3 * H * hd); with B, also compiled
+    FlexAttention (forward only)."""
     def split(qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v = qkv.unflatten(2, (3, H, hd)).unbind(2)  # each (B, T, H, hd)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # each (B, H, T, hd)
@@ -154,6 +188,8 @@ def _kernel_impls(T: int, H: int, hd: int, mask: Tensor | None) -> dict[str, Cal
     }
     if mask is None:
         impls["sdpa(is_causal)"] = lambda qkv: join(F.scaled_dot_product_attention(*split(qkv), is_causal=True))
+    if B is not None:
+        impls[FLEX] = _flex_impl(B, T, H, hd, mask)
     if T <= MATERIALISING_MAX_T:
         impls["reference"] = lambda qkv: attention_core(qkv, mask, H)[0]
     return impls
@@ -261,7 +297,7 @@ def _rows(level: str, dtype: torch.dtype, T: int, mask_name: str, fwd: dict[str,
           flops: float, mm_gflops: float, baseline: str) -> list[Row]:
     rows = []
     for impl, t in fwd.items():
-        tb = None if fwd_bwd is None else fwd_bwd[impl]
+        tb = None if fwd_bwd is None else fwd_bwd.get(impl)  # None: forward only
         rows.append(Row(
             level=level, dtype=_name(dtype), T=T, mask=mask_name, impl=impl, fwd_ms=t * 1e3,
             fwd_bwd_ms=None if tb is None else tb * 1e3, fwd_speedup=fwd[baseline] / t,
@@ -274,9 +310,10 @@ def _rows(level: str, dtype: torch.dtype, T: int, mask_name: str, fwd: dict[str,
 def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repeats: int = 5,
               dtypes: tuple[torch.dtype, ...] = (torch.float32,), memory_lengths: tuple[int, ...] = (4096, 8192),
               backward: bool = True, decode_shape: tuple[int, int, int, int] | None = (8, 2048, 768, 12),
-              decode_dtypes: tuple[torch.dtype, ...] = DECODE_DTYPES) -> Report:
-    """The kernel and module rows for every dtype and T (causal and padded), peak memory at
-    memory_lengths, and the generation rows at decode_shape = (B, ctx, dim, H) unless None."""
+              decode_dtypes: tuple[torch.dtype, ...] = DECODE_DTYPES, flex: bool = True) -> Report:
+    """The kernel and module rows for every dtype and T (causal and padded; with flex, compiled
+    FlexAttention among the kernels), peak memory at memory_lengths, and the generation rows at
+    decode_shape = (B, ctx, dim, H) unless None."""
     ceilings = {_name(dt): mm_ceiling(dt) for dt in dtypes}
     report = Report(B=B, H=H, hd=hd, threads=torch.get_num_threads(),
                     capability=str(torch.ops.causal_attention.cpu_capability()),
@@ -295,9 +332,11 @@ def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repe
             attn_flops = 2 * B * H * T * T * hd
             baseline = "sdpa(is_causal)" if mask is None else "sdpa(bool mask)"
             qkv = torch.randn(B, T, 3 * dim, dtype=dtype)
-            impls = _kernel_impls(T, H, hd, mask)
-            fwd = _timed(impls, qkv, repeats, backward=False)
-            fb = _timed(impls, qkv, max(3, repeats // 2), backward=True) if backward else None
+            impls = _kernel_impls(T, H, hd, mask, B=B if flex else None)
+            with torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096):
+                fwd = _timed(impls, qkv, repeats, backward=False)
+            trainable = {k: fn for k, fn in impls.items() if k not in FORWARD_ONLY}
+            fb = _timed(trainable, qkv, max(3, repeats // 2), backward=True) if backward else None
             mm_gflops = report.mm_gflops[_name(dtype)]
             report.rows += _rows("kernel", dtype, T, mask_name, fwd, fb, attn_flops, mm_gflops, baseline)
             x = torch.randn(B, T, dim, dtype=dtype)
@@ -312,12 +351,86 @@ def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repe
             progress.update(task, description=f"memory T={T}")
             report.memory.append({"T": T, **{impl: peak_extra_mb(impl, B, T, H, hd) for impl in ("ours", "sdpa(bool mask)")}})
             progress.advance(task)
+        scaling_T = max((T for T in lengths if T <= 2048), default=None)
+        if backward and scaling_T is not None and report.threads > 1:
+            progress.update(task, description=f"threads 1 vs {report.threads}, T={scaling_T}")
+            report.thread_scaling = thread_scaling(B, scaling_T, H, hd, report.threads, repeats=max(3, repeats // 2),
+                                                   generator=gen)
         if decode_shape is not None:
             progress.update(task, description="decode")
             dB, ctx, ddim, dH = decode_shape
             report.decode = decode_rows(B=dB, ctx=ctx, dim=ddim, H=dH, dtypes=decode_dtypes)
             progress.advance(task)
+    report.targets = targets(report)
     return report
+
+
+def thread_scaling(B: int, T: int, H: int, hd: int, threads: int, *, repeats: int,
+                   generator: torch.Generator) -> dict[str, float]:
+    """Our kernel's fwd+bwd (float32, padded) on 1 thread and on `threads`, interleaved: seconds and
+    the speed-up (1-thread time / threads' time)."""
+    mask = _padded_mask(B, T, generator)
+    qkv = torch.randn(B, T, 3 * H * hd)
+    g = torch.randn(B, T, H * hd)
+
+    def on(n: int) -> Callable[[], None]:
+        def run() -> None:
+            torch.set_num_threads(n)
+            _ops.attention(qkv.detach().requires_grad_(), mask, H).backward(g)
+
+        return run
+
+    try:
+        t = interleaved_medians({"1": on(1), str(threads): on(threads)}, repeats=repeats, warmup=1)
+    finally:
+        torch.set_num_threads(threads)
+    return {"T": T, "threads": threads, "one_thread_ms": t["1"] * 1e3, "all_threads_ms": t[str(threads)] * 1e3,
+            "speedup": t["1"] / t[str(threads)]}
+
+
+# The performance targets of the second round (B=4, H=12, hd=64, padding lengths U[T/2, T]):
+# (what, target, how the report gives it); a row appears when its rows were measured.
+def targets(report: Report) -> list[dict[str, object]]:
+    """Each target of the performance round that this report measured: value, target, met."""
+
+    def row(level: str, dtype: str, T: int, mask: str, impl: str) -> Row | None:
+        return next((r for r in report.rows if (r.level, r.dtype, r.T, r.mask, r.impl) == (level, dtype, T, mask, impl)),
+                    None)
+
+    out: list[dict[str, object]] = []
+
+    def add(what: str, value: float | None, target: float, unit: str) -> None:
+        if value is not None:
+            out.append({"target": what, "value": value, "goal": target, "unit": unit, "met": value >= target})
+
+    ours = lambda dt, T, m: row("kernel", dt, T, m, "ours")  # noqa: E731
+    for T in (2048,):
+        r = ours("bfloat16", T, "padded")
+        add(f"bf16 forward, of same-run bf16 mm, T={T}", r and r.fwd_ceiling_fraction, 0.55, "fraction")
+    for T in sorted({r.T for r in report.rows}):
+        f32, bf16 = ours("float32", T, "padded"), ours("bfloat16", T, "padded")
+        if f32 and bf16 and f32.fwd_bwd_ms and bf16.fwd_bwd_ms and T in (1024, 2048, 4096):
+            add(f"bf16 fwd+bwd vs f32 fwd+bwd, T={T}", f32.fwd_bwd_ms / bf16.fwd_bwd_ms, 1.8, "x")
+    for T in (1024, 2048):
+        r = ours("float32", T, "padded")
+        add(f"f32 padded forward vs SDPA(bool mask), T={T}", r and r.fwd_speedup, 2.3, "x")
+    for T in (2048, 4096):
+        r = ours("float32", T, "causal")
+        add(f"f32 causal fwd+bwd vs SDPA(is_causal), T={T}", r and r.fwd_bwd_speedup, 1.3, "x")
+    r = ours("float32", 2048, "padded")
+    add("f32 forward, of same-run sgemm, T=2048", r and r.fwd_ceiling_fraction, 0.85, "fraction")
+    for dt, goal in (("float32", 1.8), ("bfloat16", 4.0)):
+        for T in (1024, 2048):
+            r, f = ours(dt, T, "padded"), row("kernel", dt, T, "padded", FLEX)
+            add(f"{'f32' if dt == 'float32' else 'bf16'} forward vs FlexAttention, T={T}",
+                r and f and f.fwd_ms / r.fwd_ms, goal, "x")
+    layer = next((d for d in report.decode if d["row"] == "decode step: whole layer" and d["dtype"] == "float32"), None)
+    add(f"decode step, whole layer, f32, of copy bandwidth ({layer['shape']})" if layer else "",
+        float(layer["of_copy"]) if layer else None, 0.85, "fraction")
+    if report.thread_scaling:
+        s = report.thread_scaling
+        add(f"1 -> {int(s['threads'])} threads, fwd+bwd T={int(s['T'])}", s["speedup"], 0.925 * s["threads"], "x")
+    return out
 
 
 _MEMORY_SCRIPT = """
@@ -395,6 +508,14 @@ def print_report(report: Report, console: Console | None = None) -> None:
                         f"{d['tokens_per_s']:,.0f}" if "tokens_per_s" in d else "-",
                         f"{d['speedup']:.1f}x" if "speedup" in d else "-", str(d["shape"]))
         console.print(dec)
+    if report.targets:
+        tg = Table(title="performance targets (padded: lengths uniform in [T/2, T])")
+        for col in ("target", "value", "goal", "met"):
+            tg.add_column(col, justify="left" if col == "target" else "right")
+        for t in report.targets:
+            fmt = (lambda v: f"{100 * v:.0f}%") if t["unit"] == "fraction" else (lambda v: f"{v:.2f}x")
+            tg.add_row(str(t["target"]), fmt(float(t["value"])), fmt(float(t["goal"])), "yes" if t["met"] else "NO")
+        console.print(tg)
     for s in report.skipped:
         console.print(f"skipped: {s}")
 
@@ -435,13 +556,13 @@ def plot_report(report: Report, path: Path) -> None:
 
 def main(*, lengths: list[int], repeats: int, json_path: Path | None, plot_path: Path | None, bf16: bool,
          memory_lengths: list[int], backward: bool, decode_shape: tuple[int, int, int, int] | None,
-         B: int = 4, H: int = 12, hd: int = 64) -> Report:
+         B: int = 4, H: int = 12, hd: int = 64, flex: bool = True) -> Report:
     """Runs the bench (bf16: also the bfloat16 kernel and module rows), prints the tables, writes
     the report as JSON and the time-vs-T plot as PNG where paths are given. The generation rows,
     unless decode_shape is None, are always in float32, bfloat16 and float16."""
     dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
     report = run_bench(lengths=lengths, B=B, H=H, hd=hd, repeats=repeats, dtypes=dtypes,
-                       memory_lengths=tuple(memory_lengths), backward=backward, decode_shape=decode_shape)
+                       memory_lengths=tuple(memory_lengths), backward=backward, decode_shape=decode_shape, flex=flex)
     print_report(report)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
