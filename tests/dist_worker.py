@@ -123,8 +123,33 @@ def train(model: nn.Module, steps: int, loss_fn: Callable[..., Tensor], *, clip:
         opt.zero_grad(set_to_none=True)
         loss_fn(model, *data).backward()
         if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            cad.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+
+
+def training_parity(make: Callable[[GPT], nn.Module], dist_loss: Callable[..., Tensor]) -> dict[str, float]:
+    """5 AdamW steps with clipping, distributed in float64 against one process in float64; and
+    distributed in float32, against one process in float32 and in
+    float64 from the same initial weights. The float32 runs differ from float64 by rounding that
+    Adam amplifies (its step is g / sqrt(v): a gradient near 0 has a relative rounding error of
+    order 1); the distributed run, which only sums in another order, must be as close to the
+    float64 run as the single-process float32 run is."""
+    model64 = gpt(torch.float64)
+    model32 = copy.deepcopy(model64).float()
+    single64, single32, distributed = copy.deepcopy(model64), copy.deepcopy(model32), make(model32)
+    train(single64, 5, whole_batch_loss)
+    train(single32, 5, whole_batch_loss)
+    train(distributed, 5, dist_loss)
+    distributed64 = make(model64)
+    train(distributed64, 5, dist_loss)
+    p64 = {k: v.float() for k, v in params(single64).items()}
+    return {
+        "steps_f64": compare(params(distributed64), params(single64)),
+        "steps_f32_vs_single_f32": compare(params(distributed), params(single32)),
+        "steps_f32_vs_single_f64": compare(params(distributed), p64),
+        "steps_single_f32_vs_f64": compare(params(single32), p64),
+        "steps_moved": compare(params(single32), params(model32)),  # the steps changed the weights
+    }
 
 
 def whole_batch_loss(model: nn.Module, tokens: Tensor, mask: Tensor, targets: Tensor) -> Tensor:
@@ -146,23 +171,12 @@ def ddp(args: argparse.Namespace) -> dict[str, float]:
     data_parallel_loss(ddp_model, *data).backward()
     out = {"grad_f64": compare(grads(ddp_model), ref)}
 
-    model32 = gpt(torch.float32)
-    single, wrapped = copy.deepcopy(model32), DDP(copy.deepcopy(model32))
-    train(single, 5, whole_batch_loss)
-    train(wrapped, 5, data_parallel_loss)
-    out["weights_f32_5_steps"] = compare(params(wrapped), params(single))
-    out["weights_moved"] = compare(params(single), params(model32))  # the steps changed the weights
+    out.update(training_parity(lambda m: DDP(copy.deepcopy(m)), data_parallel_loss))
     return out
 
 
 def fsdp_model(model: GPT) -> GPT:
-    from torch.distributed.fsdp import fully_shard
-
-    model = copy.deepcopy(model)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    return model
+    return cad.fully_shard_gpt(copy.deepcopy(model))  # type: ignore[return-value]
 
 
 @scenario
@@ -175,12 +189,7 @@ def fsdp(args: argparse.Namespace) -> dict[str, float]:
     data_parallel_loss(sharded, *data).backward()
     out = {"grad_f64": compare(grads(sharded), ref)}
 
-    model32 = gpt(torch.float32)
-    single, sharded32 = copy.deepcopy(model32), fsdp_model(model32)
-    train(single, 5, whole_batch_loss)
-    train(sharded32, 5, data_parallel_loss)
-    out["weights_f32_5_steps"] = compare(params(sharded32), params(single))
-    out["weights_moved"] = compare(params(single), params(model32))
+    out.update(training_parity(fsdp_model, data_parallel_loss))
     return out
 
 
@@ -332,11 +341,7 @@ def tp_gpt(args: argparse.Namespace) -> dict[str, float]:
         whole_batch_loss(sharded, *data).backward()
         whole_batch_loss(ref, *data).backward()
         out[f"grad_{tag}"] = compare(grads(sharded), grads(ref))
-    model32 = gpt(torch.float32)
-    single, sharded32 = copy.deepcopy(model32), tp_gpt_model(model32)
-    train(single, 5, whole_batch_loss)
-    train(sharded32, 5, whole_batch_loss)
-    out["weights_f32_5_steps"] = compare(params(sharded32), params(single))
+    out.update(training_parity(tp_gpt_model, whole_batch_loss))
     return out
 
 

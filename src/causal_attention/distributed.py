@@ -19,7 +19,7 @@ Shapes: B batch, T tokens, H heads, hd head_dim, dim = H * hd, W = tensor-parall
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -233,6 +233,47 @@ def parallelize_gpt(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         parallelize_attention(block.attn, mesh)
         parallelize_module(block.mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     return model
+
+
+def fully_shard_gpt(model: nn.Module, **fsdp_options: Any) -> nn.Module:
+    """FSDP2 for a GPT, in place: ``fully_shard`` on every block and on the root (options passed on,
+    e.g. ``mesh``). Blocks also get their packed forward (``forward_packed``, taken for padded
+    batches) registered, so that FSDP2 gathers their parameters for it too."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    from .gpt import GPT
+
+    if not isinstance(model, GPT):
+        raise TypeError(f"model must be a GPT; got {type(model).__name__}")
+    for block in model.blocks:
+        fully_shard(block, **fsdp_options)
+        register_fsdp_forward_method(block, "forward_packed")
+    fully_shard(model, **fsdp_options)
+    return model
+
+
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
+    """torch.nn.utils.clip_grad_norm_ (2-norm) for a model whose parameters mix DTensors (the
+    sharded ones, their norm reduced over the mesh) and plain tensors (replicated on every rank,
+    as parallelize_gpt leaves the embeddings and LayerNorms). Returns the total norm."""
+    from torch.nn.utils import get_total_norm
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    squares = []
+    for group in (sharded, plain):
+        if group:
+            norm = get_total_norm(group, 2.0)
+            squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    if not squares:
+        return torch.tensor(0.0)
+    total = torch.stack(squares).sum().sqrt()
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return total
 
 
 # --------------------------------------------------------------------------------------------
