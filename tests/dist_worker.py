@@ -312,6 +312,14 @@ def tp_layer(args: argparse.Namespace) -> dict[str, float]:
     rows = 12 // world()
     expected = torch.cat([layer.qkv.weight[i * 12 + rank() * rows : i * 12 + (rank() + 1) * rows] for i in range(3)])
     out["local_rows"] = max_err(sharded.qkv.weight.to_local(), expected)
+    # The naive cut (ColwiseParallel on qkv: contiguous rows) is wrong, which these checks would catch.
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    layer, naive = layer_and_copy()
+    parallelize_module(naive, meshes["tp2"], {"qkv": ColwiseParallel(), "proj": RowwiseParallel()})
+    naive.n_heads //= world()
+    x = torch.randn(3, 6, 12, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    out["naive_colwise_out"] = max_err(naive(x), layer(x))
     # Heads not divisible by the ranks: a clear error naming both numbers.
     try:
         cad.parallelize_attention(CausalSelfAttention(12, 3, dtype=torch.float64), meshes["tp2"])

@@ -107,6 +107,7 @@ def test_tensor_parallel_layer_equals_unsharded(results, mesh, padded):
 def test_tensor_parallel_layer_holds_its_heads_rows_and_refuses_indivisible_heads(results):
     m = metrics(results, "tp_layer")
     assert m["local_rows"] == 0.0
+    assert m["naive_colwise_out"] > 0.1  # ColwiseParallel's contiguous cut of [q | k | v] is wrong
     assert m["indivisible_refused"] == 1.0
 
 
@@ -128,3 +129,46 @@ def test_dcp_checkpoints_survive_resharding(results, route):
     m = metrics(results, "dcp")
     assert m[route] == 0.0
     assert m["blank_differs"] > 0.1  # the models loaded into started from other weights
+
+
+DEMO_ARGS = ["demo", "--steps", "8", "--seed", "3", "--n-eval", "8"]
+
+
+def run_demo(out: Path, *prefix: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, *prefix, "-m", "causal_attention", *DEMO_ARGS, "--out", str(out), *extra]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads((out / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def single_demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("demo_single")
+    return run_demo(out, extra=()), out
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp"])
+def test_demo_command_trains_like_one_process(single_demo, tmp_path, strategy):
+    """``torchrun --nproc-per-node 2 -m causal_attention demo --distributed S``: the same batches
+    and initial weights, so the loss curve and the saved weights are the single process's up to
+    float32 rounding of the reduction order (amplified by Adam: see dist_worker.training_parity)."""
+    from safetensors.torch import load_file
+
+    single, single_dir = single_demo
+    metrics = run_demo(tmp_path, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                       extra=("--distributed", strategy))
+    assert metrics["distributed"] == strategy and metrics["world_size"] == 2
+    assert abs(metrics["final_loss"] - single["final_loss"]) <= 1e-4 * single["final_loss"]
+    assert metrics["accuracy"] == single["accuracy"]
+    ours, theirs = load_file(tmp_path / "model.safetensors"), load_file(single_dir / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= 1e-4
+
+
+def test_demo_distributed_needs_torchrun(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "causal_attention", *DEMO_ARGS, "--out", str(tmp_path),
+                           "--distributed", "ddp"], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode != 0
+    assert "runs under torchrun" in proc.stderr

@@ -19,7 +19,9 @@ Shapes: B batch, T tokens, H heads, hd head_dim, dim = H * hd, W = tensor-parall
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable, Sequence
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Literal, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -343,6 +345,89 @@ def local_batch(tensors: Sequence[Tensor], rank: int, world_size: int) -> list[T
         n = t.shape[0] // world_size
         out.append(t[rank * n : (rank + 1) * n])
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# A training run on torchrun's processes (the demo's --distributed)
+
+Strategy = Literal["ddp", "fsdp", "tp"]
+STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "tp")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One process of a distributed training run: how the model is wrapped and the batch split.
+
+    ``ddp`` and ``fsdp`` split each batch over the ranks (each loss term is divided by the whole
+    batch's count and multiplied by the world size, so the averaged gradient is the whole batch's);
+    ``tp`` feeds every rank the whole batch and shards the model's heads and MLP.
+    """
+
+    strategy: Strategy
+    rank: int
+    world_size: int
+    mesh: DeviceMesh
+
+    @property
+    def data_parallel(self) -> bool:
+        return self.strategy in ("ddp", "fsdp")
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The model as this strategy trains it (DDP, fully_shard_gpt, or parallelize_gpt)."""
+        if self.strategy == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            return DistributedDataParallel(model)
+        if self.strategy == "fsdp":
+            return fully_shard_gpt(model, mesh=self.mesh)
+        return parallelize_gpt(model, self.mesh)
+
+    def local_batch(self, *tensors: Tensor) -> list[Tensor]:
+        """This rank's rows of (B, ...) tensors (all of them under tensor parallel)."""
+        return local_batch(tensors, self.rank, self.world_size) if self.data_parallel else list(tensors)
+
+    @property
+    def loss_scale(self) -> int:
+        """What a loss normalised by the whole batch is multiplied by (gradients are averaged)."""
+        return self.world_size if self.data_parallel else 1
+
+    def global_sum(self, value: float) -> float:
+        """value summed over the ranks of a data-parallel run (as is under tensor parallel)."""
+        if not self.data_parallel:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        return float(t[0])
+
+    def gather(self, model: nn.Module, like: nn.Module) -> nn.Module | None:
+        """The trained weights in ``like`` (an unsharded model of the same configuration) on rank 0,
+        None on the other ranks (collective: every rank calls it)."""
+        inner = model.module if self.strategy == "ddp" else model
+        state = full_state_dict(inner)
+        if self.rank != 0:
+            return None
+        like.load_state_dict(state)
+        return like
+
+
+def start(strategy: str) -> Run:
+    """Joins the process group that ``torchrun`` (or ``python -m torch.distributed.run``) set up
+    (gloo: CPU tensors), with a 1-D mesh over all ranks."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+        if missing:
+            raise RuntimeError(f"--distributed {strategy} runs under torchrun (missing environment: "
+                               f"{', '.join(missing)}); e.g. torchrun --nproc-per-node 2 -m causal_attention demo "
+                               f"--distributed {strategy}")
+        dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    return Run(strategy, dist.get_rank(), world, mesh)  # type: ignore[arg-type]
 
 
 register_sharding_rules()
