@@ -172,3 +172,20 @@ def test_demo_distributed_needs_torchrun(tmp_path):
                            "--distributed", "ddp"], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode != 0
     assert "runs under torchrun" in proc.stderr
+
+
+def test_bad_arguments_are_named():
+    """Argument errors that need no process group: each names the argument and what was expected."""
+    from causal_attention import CausalSelfAttention
+    from causal_attention import distributed as cad
+
+    with pytest.raises(TypeError, match="tp_mesh must be a DeviceMesh; got str"):
+        cad.parallelize_attention(CausalSelfAttention(8, 2), "cpu")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="module must be a CausalSelfAttention; got Linear"):
+        cad.parallelize_attention(torch.nn.Linear(2, 2), "cpu")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="model must be a GPT; got Linear"):
+        cad.parallelize_gpt(torch.nn.Linear(2, 2), "cpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"strategy must be one of \('ddp', 'fsdp', 'tp'\); got 'zero'"):
+        cad.start("zero")
+    with pytest.raises(ValueError, match=r"batch size \(got 5\) must be divisible by the world size \(got 2\)"):
+        cad.local_batch([torch.zeros(5, 3)], 0, 2)
