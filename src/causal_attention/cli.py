@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--out", type=Path, default=Path("demo_out"), help="where to write metrics, plots, model")
     demo.add_argument("--load", type=Path, default=None, help="answer new problems with a saved model instead")
     demo.add_argument("--n-eval", type=_positive, default=500, help="problems to answer after training or loading")
+    demo.add_argument("--distributed", choices=("ddp", "fsdp", "tp"), default=None,
+                      help="train on torchrun's processes (gloo): ddp, fsdp (FSDP2), or tp (tensor parallel by "
+                      "heads); e.g. torchrun --nproc-per-node 2 -m causal_attention demo --distributed ddp")
 
     convert = sub.add_parser("convert", help="convert a GPT checkpoint between transformers, nanoGPT and this project")
     convert.add_argument("--from", dest="source_format", choices=("huggingface", "nanogpt", "ours"), required=True,
@@ -111,7 +114,10 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "demo":
         from . import demo as demo_mod
 
-        demo_mod.main(steps=args.steps, seed=args.seed, out=args.out, load=args.load, n_eval=args.n_eval)
+        if args.distributed is not None and args.load is not None:
+            parser.error("demo: --load answers with a saved model in one process; it does not take --distributed")
+        demo_mod.main(steps=args.steps, seed=args.seed, out=args.out, load=args.load, n_eval=args.n_eval,
+                      distributed_strategy=args.distributed)
     elif args.command == "convert":
         from . import checkpoints
 

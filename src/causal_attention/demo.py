@@ -15,6 +15,7 @@ import json
 import random
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import Tensor
 
 from .gpt import GPT, GPTConfig
+
+if TYPE_CHECKING:
+    from .distributed import Run
 
 SEP, EOS, BOS = 10, 11, 12  # digits are 0..9
 VOCAB = 13
@@ -68,8 +72,9 @@ def make_batch(rng: random.Random, batch_size: int) -> tuple[Tensor, Tensor, Ten
 
 
 def train(model: GPT, *, steps: int, seed: int, batch_size: int = 64, lr: float = 3e-3,
-          console: Console) -> tuple[list[float], float, float]:
-    """Returns (loss per step, seconds, tokens per second)."""
+          console: Console, run: Run | None = None) -> tuple[list[float], float, float]:
+    """Returns (loss per step, seconds, tokens per second). With ``run`` (a distributed run), model
+    is the wrapped model, every rank draws the same batches and takes its part (run.local_batch)."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, steps // 20)
@@ -85,15 +90,27 @@ def train(model: GPT, *, steps: int, seed: int, batch_size: int = 64, lr: float 
         task = progress.add_task("train", total=steps, loss=float("nan"), tps=0.0)
         for step in range(steps):
             tokens, mask, targets = make_batch(rng, batch_size)
-            logits = model(tokens, mask)  # (B, T, V)
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+            if run is None:
+                logits = model(tokens, mask)  # (B, T, V)
+                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+            else:  # this rank's part of the whole batch's mean (gradients are averaged over ranks)
+                n_answer = int((targets != -100).sum())
+                tokens, mask, targets = run.local_batch(tokens, mask, targets)
+                logits = model(tokens, mask)  # (B / world or B, T, V)
+                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+                loss = loss / n_answer * run.loss_scale
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if run is None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            else:
+                from .distributed import clip_grad_norm_  # sharded and replicated parameters mixed
+
+                clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
-            losses.append(loss.item())
-            tokens_seen += int(mask.sum())
+            losses.append(loss.item() if run is None else run.global_sum(loss.item()) / run.loss_scale)
+            tokens_seen += int(mask.sum()) if run is None else int(run.global_sum(int(mask.sum())))
             if step % 10 == 0 or step == steps - 1:
                 progress.update(task, completed=step + 1, loss=losses[-1], tps=tokens_seen / (time.perf_counter() - start))
     seconds = time.perf_counter() - start
@@ -174,7 +191,10 @@ def _show(console: Console, problems: list[tuple[list[int], list[int]]], answers
         console.print(f"  reverse({digits}) -> {text}  {mark}")
 
 
-def main(*, steps: int, seed: int, out: Path, load: Path | None, n_eval: int = 500) -> dict[str, float]:
+def main(*, steps: int, seed: int, out: Path, load: Path | None, n_eval: int = 500,
+         distributed_strategy: str | None = None) -> dict[str, float]:
+    if distributed_strategy is not None:
+        return _main_distributed(distributed_strategy, steps=steps, seed=seed, out=out, n_eval=n_eval)
     console = Console()
     torch.manual_seed(seed)
     if load is not None:
@@ -190,6 +210,47 @@ def main(*, steps: int, seed: int, out: Path, load: Path | None, n_eval: int = 5
     console.print(f"GPT: {sum(p.numel() for p in model.parameters()):,} parameters, {model.config}")
     model.train()
     losses, train_seconds, train_tps = train(model, steps=steps, seed=seed, console=console)
+    return _finish(model, losses, train_seconds, train_tps, problems, steps=steps, seed=seed, out=out, n_eval=n_eval,
+                   console=console)
+
+
+def _main_distributed(strategy: str, *, steps: int, seed: int, out: Path, n_eval: int) -> dict[str, float]:
+    """The demo on torchrun's processes: every rank builds the same model (same seed), trains it
+    wrapped by the strategy; rank 0 gathers the weights into an unsharded GPT, evaluates and writes
+    the same files as the single-process run (metrics.json also records the strategy)."""
+    from . import distributed
+
+    run = distributed.start(strategy)
+    try:
+        return _train_distributed(run, steps=steps, seed=seed, out=out, n_eval=n_eval)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _train_distributed(run: Run, *, steps: int, seed: int, out: Path, n_eval: int) -> dict[str, float]:
+    strategy = run.strategy
+    console = Console(quiet=run.rank != 0)
+    torch.manual_seed(seed)
+    problems = heldout_problems(seed, n_eval)
+    config = GPTConfig(vocab_size=VOCAB, max_len=MAX_LEN)
+    model = GPT(config)
+    console.print(f"GPT: {sum(p.numel() for p in model.parameters()):,} parameters, {model.config}; "
+                  f"{strategy} on {run.world_size} processes")
+    wrapped = run.wrap(model)
+    wrapped.train()
+    losses, train_seconds, train_tps = train(wrapped, steps=steps, seed=seed, console=console, run=run)
+    gathered = run.gather(wrapped, GPT(config))
+    if gathered is None:
+        return {}
+    metrics = _finish(gathered, losses, train_seconds, train_tps, problems, steps=steps, seed=seed, out=out,
+                      n_eval=n_eval, console=console, extra={"distributed": strategy, "world_size": run.world_size})
+    return metrics
+
+
+def _finish(model: GPT, losses: list[float], train_seconds: float, train_tps: float,
+            problems: list[tuple[list[int], list[int]]], *, steps: int, seed: int, out: Path, n_eval: int,
+            console: Console, extra: dict[str, object] | None = None) -> dict[str, float]:
+    """Evaluates the trained model, writes metrics, plots and the model; returns the metrics."""
     acc, tps_cache, answers = evaluate(model, problems, use_cache=True)
     acc_nocache, tps_nocache, answers_nocache = evaluate(model, problems, use_cache=False)
     if answers_nocache != answers:
@@ -205,6 +266,7 @@ def main(*, steps: int, seed: int, out: Path, load: Path | None, n_eval: int = 5
         "seed": seed,
         "final_loss": sum(losses[-20:]) / len(losses[-20:]),
         "eval_problems": n_eval,
+        **(extra or {}),
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     plot_loss(losses, out / "loss.png")
