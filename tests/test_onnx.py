@@ -10,6 +10,9 @@ rows with no allowed key: 0 in our contract, compared too).
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import onnxruntime as ort  # installed by make test's set-up (with onnx and onnxscript, the exporter's)
 import pytest
 import torch
 from torch import Tensor
@@ -18,8 +21,6 @@ from causal_attention import CausalSelfAttention
 from causal_attention.export import dynamic_shapes
 from causal_attention.gpt import GPT, GPTConfig
 
-ort = pytest.importorskip("onnxruntime", reason="onnxruntime is installed by make test (optional elsewhere)")
-pytest.importorskip("onnxscript", reason="onnxscript is installed by make test (optional elsewhere)")
 
 DIM, HEADS, VOCAB, MAX_LEN = 32, 4, 61, 64
 OPSETS = [None, 23]  # None: the exporter's default (primitive ops); 23: ONNX Attention
@@ -158,3 +159,18 @@ def test_eager_and_torch_export_keep_the_engine(layer: CausalSelfAttention) -> N
     x = torch.randn(2, 8, DIM)
     ep = torch.export.export(layer, (x,))
     assert "causal_attention.attention_forward.default" in {str(n.target) for n in ep.graph.nodes}
+
+
+def test_bench_deploy_quick(tmp_path: Path) -> None:
+    """The bench's rows at tiny sizes (onnxruntime only here: AOTI compiles are covered by
+    test_export.py): one row per case, the peer equal to eager, the files written."""
+    from causal_attention import bench_deploy
+
+    report = bench_deploy.main(out_dir=tmp_path, repeats=1, quick=True, peers=("onnxruntime",))
+    rows = report["rows"]
+    assert [r["peer"] for r in rows] == ["onnxruntime"] * 3
+    assert all(r["max_err"] <= 1e-5 and r["ours_ms"] > 0 and r["theirs_ms"] > 0 for r in rows)
+    assert (tmp_path / "bench_deploy.json").stat().st_size > 0
+    assert (tmp_path / "bench_deploy.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="peers must be a non-empty selection"):
+        bench_deploy.main(out_dir=tmp_path, repeats=1, quick=True, peers=("tensorrt",))
