@@ -174,3 +174,33 @@ def test_bench_deploy_quick(tmp_path: Path) -> None:
     assert (tmp_path / "bench_deploy.png").stat().st_size > 0
     with pytest.raises(ValueError, match="peers must be a non-empty selection"):
         bench_deploy.main(out_dir=tmp_path, repeats=1, quick=True, peers=("tensorrt",))
+
+
+# ---------------------------------------------------------------------------------------------
+# A torch.export program holds the engine's ops: causal_attention.onnx.translation_table().
+
+
+@pytest.mark.parametrize("kind", ["layer", "gpt"])
+def test_exported_program_with_the_translation_table(layer: CausalSelfAttention, gpt: GPT, kind: str) -> None:
+    from causal_attention.onnx import translation_table
+
+    model: torch.nn.Module = layer if kind == "layer" else gpt
+    first = torch.randn(2, 8, DIM) if kind == "layer" else torch.randint(0, VOCAB, (2, 8))
+    mask = masks(2, 8, seed=0)["right"]
+    if kind == "gpt":
+        mask = mask.long()  # the graph holds the engine's mask_to_bool too
+    ep = torch.export.export(model, (first, mask), dynamic_shapes=dynamic_shapes(
+        with_mask=True, max_len=MAX_LEN if kind == "gpt" else None))
+    held = {str(n.target) for n in ep.graph.nodes}
+    assert "causal_attention.attention_forward.default" in held
+    with pytest.raises(Exception, match="No ONNX function found for .*causal_attention"):
+        torch.onnx.export(ep, dynamo=True, verbose=False)  # no translation without the table
+    program = torch.onnx.export(ep, dynamo=True, verbose=False, custom_translation_table=translation_table())
+    op_types(program)
+    sess = session(program)
+    for B, T in SHAPES:
+        first = torch.randn(B, T, DIM) if kind == "layer" else torch.randint(0, VOCAB, (B, T))
+        for mask_kind, m in masks(B, T, seed=B + T).items():
+            m = m if kind == "layer" else m.long()
+            with torch.no_grad():
+                assert max_err(run(sess, first, m), model(first, m)) <= 1e-5, (B, T, mask_kind)
