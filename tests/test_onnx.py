@@ -147,7 +147,8 @@ def test_integer_attention_mask(gpt: GPT) -> None:
     graph, as the exporter drops every assertion)."""
     tokens = torch.randint(0, VOCAB, (2, 8))
     mask = masks(2, 8, seed=3)["right"].long()
-    program = torch.onnx.export(gpt, (tokens, mask), dynamo=True, dynamic_shapes=dynamic_shapes(with_mask=True, max_len=MAX_LEN))
+    shapes = dynamic_shapes(with_mask=True, max_len=MAX_LEN)
+    program = torch.onnx.export(gpt, (tokens, mask), dynamo=True, dynamic_shapes=shapes)
     sess = session(program)
     tokens, mask = torch.randint(0, VOCAB, (3, 11)), masks(3, 11, seed=4)["right"].long()
     with torch.no_grad():

@@ -103,7 +103,8 @@ def _onnxruntime(case: Case, opset: int | None, workdir: Path) -> Callable[[], T
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
     options.inter_op_num_threads = 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle threads must not steal eager's cores
+    # Idle onnxruntime threads must not spin on the cores eager runs on next.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     sess = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     names = [i.name for i in sess.get_inputs()]
     feeds = {n: a.numpy() for n, a in zip(names, case.args)}

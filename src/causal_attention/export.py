@@ -22,7 +22,9 @@ from .cache import KVCache
 from .gpt import GPT
 
 
-def dynamic_shapes(*, with_mask: bool, max_batch: int | None = None, max_len: int | None = None) -> tuple[dict[int, Dim], ...]:
+def dynamic_shapes(
+    *, with_mask: bool, max_batch: int | None = None, max_len: int | None = None
+) -> tuple[dict[int, Dim], ...]:
     """``dynamic_shapes`` for ``torch.export.export(model, (x_or_tokens[, key_padding_mask]))``:
     dimension 0 (B) and 1 (T) of the input, and the same of the mask when with_mask.
 
