@@ -148,7 +148,10 @@ def case_rows(case: Case, *, peers: tuple[str, ...], repeats: int, progress: Pro
         medians = interleaved_medians({k: advancing(f) for k, f in fns.items()}, repeats=repeats, warmup=1)
     progress.remove_task(task)
     ours = medians["eager"] * 1e3
-    return [Row(case.name, peer, ours, medians[peer] * 1e3, medians[peer] * 1e3 / ours, errors[peer]) for peer in peers]
+    rows = [Row(case.name, peer, ours, medians[peer] * 1e3, medians[peer] * 1e3 / ours, errors[peer]) for peer in peers]
+    progress.console.print(f"{case.name}: eager {ours:.2f} ms; " + "; ".join(
+        f"{r.peer} {r.theirs_ms:.2f} ms ({r.ratio:.2f}x, max err {r.max_err:.1e})" for r in rows))
+    return rows
 
 
 def print_rows(rows: list[Row], console: Console | None = None) -> None:
