@@ -156,7 +156,7 @@ def case_rows(case: Case, *, peers: tuple[str, ...], repeats: int, progress: Pro
 
 def print_rows(rows: list[Row], console: Console | None = None) -> None:
     console = console or Console(width=max(Console().width, 150))
-    table = Table(title=f"deployment peers against eager (float32, {torch.get_num_threads()} threads, medians of "
+    table = Table(title=f"deployment peers against eager (float32, threads: {torch.get_num_threads()}, medians of "
                         "interleaved runs; x = peer / eager)")
     for col in ("case", "peer", "eager ms", "peer ms", "x", "max |peer - eager|"):
         table.add_column(col, justify="left" if col in ("case", "peer") else "right")
@@ -205,5 +205,5 @@ def main(*, out_dir: Path, repeats: int, quick: bool, peers: tuple[str, ...] = P
     print_rows(rows)
     (out_dir / "bench_deploy.json").write_text(json.dumps(report, indent=2))
     plot_rows(rows, out_dir / "bench_deploy.png",
-              title=f"onnxruntime and AOTInductor against eager, {threads} threads, medians of {repeats}")
+              title=f"onnxruntime and AOTInductor against eager, threads: {threads}, medians of {repeats}")
     return report
