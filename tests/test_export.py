@@ -227,3 +227,25 @@ def test_aoti_package_equals_eager(packages: dict[str, tuple[torch.nn.Module, Pa
             inputs = gpt_inputs(shape["B"], shape["T"], lengths)
         with torch.no_grad():
             assert max_err(loaded(*inputs), module(*inputs)) <= 1e-5
+
+
+def test_aoti_decode_step_mutates_user_managed_caches(tmp_path: Path) -> None:
+    """The decode step as an AOTInductor package: its cache buffers are constants, replaced by the
+    caller's tensors (load_constants(user_managed=True)), which each call updates in place."""
+    model = make_gpt()
+    eager, last = _prefilled(model, max_len=24)
+    nxt = last.argmax(-1)[:, None]  # (B, 1)
+    with torch.no_grad():
+        ep = torch.export.export(copy.deepcopy(eager), (nxt,))
+        path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "decode.pt2"))
+    loaded = torch._inductor.aoti_load_package(path)
+    caches = {name: buffer.clone() for name, buffer in eager.named_buffers()}  # the prefilled state
+    loaded.load_constants(caches, check_full_update=False, user_managed=True)
+    for _ in range(4):
+        with torch.no_grad():
+            want, got = eager(nxt), loaded(nxt)
+        assert max_err(got, want) <= 1e-5
+        for name, buffer in eager.named_buffers():
+            assert max_err(caches[name], buffer) <= 1e-5, name
+        nxt = want[:, -1].argmax(-1)[:, None]
+    assert caches["lengths0"].tolist() == [len(p) + 4 for p in PROMPTS]
