@@ -46,6 +46,8 @@ class CachedGPT(nn.Module):
     Shapes are static: B is fixed by the cache, and t by the example (the engine's ``cache_end``
     op takes the number of new tokens as an int), so a prefill of prompts right-padded to T0 and
     a decode step (t = 1) are two programs. The buffers are not persistent (not in state_dict).
+    In an AOTInductor package they are constants: ``load_constants(caches, check_full_update=False,
+    user_managed=True)`` hands it the caller's tensors, which each call then updates in place.
     """
 
     def __init__(self, model: GPT, *, batch_size: int, max_len: int | None = None) -> None:
