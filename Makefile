@@ -23,7 +23,7 @@ build/.system-deps:
 	@touch $@
 
 # The virtual environment: torch pinned to the CPU wheel on disk, then the build and test tools.
-.venv/.deps-stamp: pyproject.toml
+.venv/.deps-stamp: pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q "scikit-build-core>=0.10" cmake ninja numpy "pytest>=8" "hypothesis>=6" \
@@ -31,6 +31,9 @@ build/.system-deps:
 	# Test-only: transformers' GPT-2 is the peer the checkpoint converters are checked against
 	# (models are built from configs with random weights; nothing is downloaded).
 	$(PIP) install -q "transformers==5.24.0"
+	# Test-only: the ONNX exporter's translator (onnxscript, onnx) and the runtime the exported
+	# models are checked in (onnxruntime, CPU); versions that work with torch 2.13.
+	$(PIP) install -q "onnx==1.23.2" "onnxscript==0.7.2" "onnxruntime==1.32.0"
 	@touch $@
 
 setup: build/.system-deps .venv/.deps-stamp
@@ -58,6 +61,7 @@ demo: install
 bench: install
 	$(PY) -m causal_attention bench
 	$(PY) -m causal_attention bench-transformers
+	$(PY) -m causal_attention bench-deploy
 
 # The C++ tests under AddressSanitizer and UndefinedBehaviorSanitizer (a separate build).
 ASAN_BUILD := build/sanitize

@@ -55,8 +55,21 @@ def _warn_engine_missing(error: str) -> None:
     )
 
 
+def onnx_exporting() -> bool:
+    """True while ``torch.onnx.export(..., dynamo=True)`` traces the model.
+
+    The engine's ops have no ONNX form, so while exporting to ONNX the ``cpp`` backend is written
+    as torch's SDPA (the same contract, see masked_sdpa), which the exporter translates itself:
+    ONNX ``Attention`` at opset >= 23, standard primitive ops below that.
+    """
+    return torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export()
+
+
 def select_backend(qkv: Tensor, requested: Backend) -> str:
-    """The backend that runs this call: ``requested``, or the best one that can when ``auto``."""
+    """The backend that runs this call: ``requested``, or the best one that can when ``auto``
+    (``sdpa`` in place of ``cpp`` while exporting to ONNX: onnx_exporting)."""
+    if requested in ("auto", "cpp") and onnx_exporting():
+        return "sdpa"
     if requested != "auto":
         reasons = unsupported_reasons(requested, qkv)
         if reasons:
@@ -83,7 +96,7 @@ def _cpp(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int, dropout_p: 
 
 def mask_to_bool(mask: Tensor) -> Tensor:
     """An integer 0/1 key padding mask (B, T) as bool; any other value is an error, compiled too."""
-    if _ops.core_loaded():
+    if _ops.core_loaded() and not onnx_exporting():
         return torch.ops.causal_attention.mask_to_bool(mask)
     torch._assert_async(
         ((mask == 0) | (mask == 1)).all(), "key_padding_mask of integer dtype must hold only 0 (padding) and 1 (real token)"
@@ -94,7 +107,7 @@ def mask_to_bool(mask: Tensor) -> Tensor:
 def cache_end(lengths: Tensor, mask: Tensor | None, new_tokens: int, max_len: int) -> Tensor:
     """The cache lengths (B,) after a step of new_tokens tokens, mask (B, new_tokens) bool marking
     the real ones (right padding, checked); each sequence must have room for its own real tokens."""
-    if _ops.core_loaded():
+    if _ops.core_loaded() and not onnx_exporting():
         return torch.ops.causal_attention.cache_end(lengths, mask, new_tokens, max_len)
     if mask is None:
         end = lengths + new_tokens

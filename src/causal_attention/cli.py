@@ -1,4 +1,4 @@
-"""``python -m causal_attention {check, bench, bench-transformers, demo, convert}``."""
+"""``python -m causal_attention {check, bench, bench-transformers, bench-deploy, demo, convert}``."""
 
 from __future__ import annotations
 
@@ -83,6 +83,15 @@ def main(argv: list[str] | None = None) -> None:
                           help="skip the GPT-vs-GPT2LMHeadModel rows (keep the engine-inside-transformers rows)")
     bench_tf.add_argument("--quick", action="store_true", help="a tiny model and short sequences (a smoke test)")
 
+    bench_dep = sub.add_parser("bench-deploy",
+                               help="the layer and the GPT in onnxruntime and AOTInductor against eager, with a plot")
+    bench_dep.add_argument("--repeats", type=_positive, default=3, help="interleaved timing rounds (median)")
+    bench_dep.add_argument("--out", type=Path, default=Path("bench_out"),
+                           help="where to write bench_deploy.json and bench_deploy.png")
+    bench_dep.add_argument("--peers", nargs="+", choices=("onnxruntime", "onnxruntime-opset23", "aoti"),
+                           default=["onnxruntime", "onnxruntime-opset23", "aoti"], help="the peers to time")
+    bench_dep.add_argument("--quick", action="store_true", help="tiny models and short sequences (a smoke test)")
+
     demo = sub.add_parser("demo", help="train a tiny GPT on digit reversal, then generate with the KV cache")
     demo.add_argument("--steps", type=int, default=1500, help="training steps")
     demo.add_argument("--seed", type=int, default=0, help="same seed, same result")
@@ -130,6 +139,10 @@ def main(argv: list[str] | None = None) -> None:
         from . import bench_transformers
 
         bench_transformers.main(out_dir=args.out, repeats=args.repeats, bf16=args.bf16, quick=args.quick, gpt=args.gpt)
+    elif args.command == "bench-deploy":
+        from . import bench_deploy
+
+        bench_deploy.main(out_dir=args.out, repeats=args.repeats, quick=args.quick, peers=tuple(args.peers))
     elif args.command == "bench":
         from . import bench as bench_mod
 
