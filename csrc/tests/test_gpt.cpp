@@ -334,21 +334,30 @@ TEST_F(CorruptFile, HeaderLiesAboutSizes) {
 }
 
 TEST_F(CorruptFile, HeaderLiesAboutOffsets) {
-  RawFile raw(weights());
-  auto offsets = raw.header["ln_f.bias"]["data_offsets"];
-  raw.header["ln_f.bias"]["data_offsets"] = {offsets[0].get<uint64_t>() + 4, offsets[1].get<uint64_t>() + 4};
-  raw.write(weights());
-  expect_load_error(dir.path, {"data_offsets"});
+  const RawFile original(weights());
+  RawFile shifted = original;
+  const auto offsets = original.header["blocks.0.ln1.weight"]["data_offsets"];
+  shifted.header["blocks.0.ln1.weight"]["data_offsets"] = {offsets[0].get<uint64_t>() + 4, offsets[1].get<uint64_t>() + 4};
+  shifted.write(weights());
+  expect_load_error(dir.path, {"'blocks.0.ln1.weight'", "not packed"});
 
-  RawFile past(weights());
+  RawFile past = original;
   past.header["tok.weight"]["data_offsets"] = {past.data.size() + 100, past.data.size() + 100 + 17 * 16 * 4};
   past.write(weights());
   expect_load_error(dir.path, {"'tok.weight'", "outside the data section"});
 
-  RawFile negative(weights());
+  RawFile negative = original;
   negative.header["tok.weight"]["data_offsets"] = {-4, 10};
   negative.write(weights());
   expect_load_error(dir.path, {"'tok.weight'", "non-negative"});
+
+  RawFile trailing = original;  // bytes after the last tensor
+  trailing.data += "junk";
+  trailing.write(weights());
+  expect_load_error(dir.path, {"unexplained bytes"});
+
+  original.write(weights());
+  EXPECT_NO_THROW(causal_attention::load_gpt(dir.path));
 }
 
 TEST_F(CorruptFile, HeaderSizeHugeOrWrong) {
