@@ -17,6 +17,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
 #include <iostream>
 #include <map>
 #include <sstream>
@@ -203,7 +204,8 @@ int run(const Arguments& args) {
       best = std::max(best, static_cast<double>(count) / seconds);
     }
     std::cout << "bench: " << count << " tokens for " << prompts.size() << " prompt(s), best of " << args.bench_runs
-              << " runs: " << static_cast<int64_t>(best) << " tokens/s (" << at::get_num_threads() << " threads)\n";
+              << " runs: " << std::fixed << std::setprecision(1) << best << " tokens/s (" << at::get_num_threads()
+              << " threads)\n";
   }
   return 0;
 }
