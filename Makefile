@@ -13,12 +13,15 @@ CMAKE_DEFINES := -C cmake.define.CA_BUILD_TESTS=ON -C cmake.define.CA_BUILD_BENC
 
 all: test
 
-# Debian packages for the C++ tests and benchmarks (root here and in CI).
+# Debian packages for the C++ tests and benchmarks, JSON and the generation program's command line
+# (root here and in CI).
 build/.system-deps:
 	@mkdir -p build
-	@if [ ! -f /usr/include/gtest/gtest.h ] || [ ! -f /usr/include/benchmark/benchmark.h ]; then \
-	  echo "installing libgtest-dev libbenchmark-dev"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev libbenchmark-dev >/dev/null; \
+	@if [ ! -f /usr/include/gtest/gtest.h ] || [ ! -f /usr/include/benchmark/benchmark.h ] \
+	    || [ ! -f /usr/include/nlohmann/json.hpp ] || [ ! -f /usr/include/CLI/CLI.hpp ]; then \
+	  echo "installing libgtest-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev libbenchmark-dev \
+	    nlohmann-json3-dev libcli11-dev >/dev/null; \
 	fi
 	@touch $@
 

@@ -32,9 +32,15 @@ KVCache::KVCache(int64_t batch_size, int64_t n_heads, int64_t head_dim, int64_t 
 }
 
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t dim, int64_t n_heads, double dropout)
-    : dim_(checked_dim(dim, n_heads)), n_heads_(n_heads), dropout_(checked_dropout(dropout)) {
-  qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(dim, 3 * dim).bias(true)));
-  proj = register_module("proj", torch::nn::Linear(torch::nn::LinearOptions(dim, dim).bias(true)));
+    : CausalSelfAttentionImpl(CausalSelfAttentionOptions(dim, n_heads).dropout(dropout)) {}
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const CausalSelfAttentionOptions& options)
+    : dim_(checked_dim(options.dim(), options.n_heads())),
+      n_heads_(options.n_heads()),
+      dropout_(checked_dropout(options.dropout())),
+      bias_(options.bias()) {
+  qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(dim_, 3 * dim_).bias(bias_)));
+  proj = register_module("proj", torch::nn::Linear(torch::nn::LinearOptions(dim_, dim_).bias(bias_)));
 }
 
 void CausalSelfAttentionImpl::check_x(const at::Tensor& x) const {

@@ -351,4 +351,37 @@ TEST(Dropout, ReproducibleUnderManualSeed) {
   EXPECT_FALSE(torch::equal(a, attn->forward(x)));  // a new seed, another mask
 }
 
+// bias(false): qkv and proj without biases (Python's bias=False); the same as zero biases.
+TEST(Bias, WithoutBiasEqualsZeroBiasesAndHoldsWeightsOnly) {
+  torch::manual_seed(21);
+  causal_attention::CausalSelfAttention plain(causal_attention::CausalSelfAttentionOptions(24, 3).bias(false));
+  EXPECT_FALSE(plain->bias());
+  EXPECT_EQ(plain->named_parameters().keys(), (std::vector<std::string>{"qkv.weight", "proj.weight"}));
+  CausalSelfAttention zeroed(24, 3);
+  EXPECT_TRUE(zeroed->bias());
+  {
+    torch::NoGradGuard no_grad;
+    zeroed->qkv->weight.copy_(plain->qkv->weight);
+    zeroed->proj->weight.copy_(plain->proj->weight);
+    zeroed->qkv->bias.zero_();
+    zeroed->proj->bias.zero_();
+  }
+  const auto x = torch::randn({3, 11, 24});
+  const auto mask = torch::arange(11).unsqueeze(0) < torch::tensor({11, 5, 1}).unsqueeze(1);
+  EXPECT_TRUE(torch::equal(plain->forward(x, mask), zeroed->forward(x, mask)));
+
+  torch::NoGradGuard no_grad;  // the cache path too
+  auto cache_a = plain->make_cache(3, 16);
+  auto cache_b = zeroed->make_cache(3, 16);
+  EXPECT_TRUE(torch::equal(plain->forward(x, mask, cache_a), zeroed->forward(x, mask, cache_b)));
+  const auto step = torch::randn({3, 1, 24});
+  EXPECT_TRUE(torch::equal(plain->forward(step, std::nullopt, cache_a), zeroed->forward(step, std::nullopt, cache_b)));
+
+  // The options carry dropout too, and are checked like the positional constructor.
+  causal_attention::CausalSelfAttention dropped(causal_attention::CausalSelfAttentionOptions(24, 3).dropout(0.25));
+  EXPECT_EQ(dropped->dropout(), 0.25);
+  EXPECT_THROW(causal_attention::CausalSelfAttention(causal_attention::CausalSelfAttentionOptions(24, 5).bias(false)),
+               c10::ValueError);
+}
+
 }  // namespace

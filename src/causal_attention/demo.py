@@ -5,7 +5,8 @@ vary in length, so batches are right-padded with a key_padding_mask, and the ans
 attention (output i copies input n - 1 - i). After training, held-out problems are answered in
 one ragged batch with the KV cache (greedy), and without it (recomputing the prefix) for speed.
 
-Writes to --out: metrics.json, loss.png, attention.png, model.safetensors and config.json.
+Writes to --out: metrics.json, loss.png, attention.png, model.safetensors, config.json and
+tokenizer.json (the digits' ids and BOS/SEP/EOS, for ``causal-attention-generate --prompt``).
 ``--load DIR`` answers new problems with a saved model, without training.
 """
 
@@ -175,8 +176,16 @@ def plot_attention(model: GPT, problem: tuple[list[int], list[int]], path: Path)
     plt.close(fig)
 
 
+def tokenizer_json() -> dict[str, object]:
+    """The demo's tokenizer as ``causal-attention-generate --prompt`` reads it: a prompt is
+    [bos_id] + one token per character + [sep_id]; an answer is shown up to eos_id."""
+    return {"format": "causal_attention.char_tokenizer", "vocab": {str(d): d for d in range(10)},
+            "bos_id": BOS, "sep_id": SEP, "eos_id": EOS}
+
+
 def save_model(model: GPT, out: Path) -> None:
     model.save(out)  # model.safetensors + config.json
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer_json(), indent=2) + "\n")
 
 
 def load_model(directory: Path) -> GPT:
@@ -277,5 +286,5 @@ def _finish(model: GPT, losses: list[float], train_seconds: float, train_tps: fl
     console.print(f"decode: {tps_cache:,.0f} tokens/s with the KV cache, {tps_nocache:,.0f} without "
                   f"({tps_cache / tps_nocache:.1f}x)")
     _show(console, problems, answers)
-    console.print(f"wrote {out}/metrics.json, loss.png, attention.png, model.safetensors, config.json")
+    console.print(f"wrote {out}/metrics.json, loss.png, attention.png, model.safetensors, config.json, tokenizer.json")
     return metrics

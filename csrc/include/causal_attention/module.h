@@ -4,7 +4,11 @@
 //   auto y = attn->forward(x);                    // x (B, T, 768) -> y (B, T, 768)
 //   auto z = attn->forward(x, key_padding_mask);  // (B, T) bool, True = real token
 //   causal_attention::CausalSelfAttention drop(768, 12, /*dropout=*/0.1);  // attention-weight dropout
+//   causal_attention::CausalSelfAttention nb(
+//       causal_attention::CausalSelfAttentionOptions(768, 12).bias(false));  // no qkv/proj biases
 #pragma once
+
+#include <torch/arg.h>
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
@@ -27,6 +31,17 @@ struct KVCache {
   at::Tensor k, v, lengths;
 };
 
+// The layer's options, as the Python keywords: dim, n_heads, then dropout (see below) and bias
+// (False: qkv and proj are Linear layers without bias, nanoGPT's bias=False; the state holds
+// qkv.weight and proj.weight only).
+struct CausalSelfAttentionOptions {
+  CausalSelfAttentionOptions(int64_t dim, int64_t n_heads) : dim_(dim), n_heads_(n_heads) {}
+  TORCH_ARG(int64_t, dim);
+  TORCH_ARG(int64_t, n_heads);
+  TORCH_ARG(double, dropout) = 0.0;
+  TORCH_ARG(bool, bias) = true;
+};
+
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
   // dim % n_heads != 0 is a ValueError naming both numbers. dropout: the probability of dropping
@@ -34,6 +49,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   // training (train()); 0 keeps every exactness guarantee. Seeds come from the default CPU
   // generator (torch::manual_seed reproduces a run).
   CausalSelfAttentionImpl(int64_t dim, int64_t n_heads, double dropout = 0.0);
+  explicit CausalSelfAttentionImpl(const CausalSelfAttentionOptions& options);
 
   // x (B, T, dim), key_padding_mask (B, T) bool or integer 0/1 (True = real) -> (B, T, dim).
   at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& key_padding_mask = std::nullopt);
@@ -50,6 +66,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   int64_t n_heads() const { return n_heads_; }
   int64_t head_dim() const { return dim_ / n_heads_; }
   double dropout() const { return dropout_; }
+  bool bias() const { return bias_; }
 
   torch::nn::Linear qkv{nullptr};   // dim -> 3 * dim, split q | k | v
   torch::nn::Linear proj{nullptr};  // dim -> dim
@@ -60,6 +77,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   int64_t dim_;
   int64_t n_heads_;
   double dropout_;
+  bool bias_;
 };
 
 TORCH_MODULE(CausalSelfAttention);

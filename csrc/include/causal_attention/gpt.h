@@ -1,0 +1,141 @@
+// The C++ GPT: the Python GPT (src/causal_attention/gpt.py) with the same architecture, options and
+// parameter names, built from causal_attention::CausalSelfAttention, and its generation over
+// ragged prompts with the C++ KV cache.
+//
+//   auto model = causal_attention::load_gpt("demo_out");   // config.json + model.safetensors (GPT.save)
+//   auto logits = model->forward(tokens, mask);             // (B, T) int64 -> (B, T, V)
+//   causal_attention::GenerateOptions options;
+//   options.max_new_tokens = 13;
+//   options.eos_id = 11;
+//   auto answers = model->generate({{12, 1, 2, 3, 10}, {12, 4, 10}}, options).tokens;
+//
+// Parameters: tok, pos (embeddings), blocks.{i}.ln1, .attn.qkv, .attn.proj, .ln2, .mlp.0, .mlp.2
+// (the MLP's Linears), ln_f and, with an untied head, head; with bias = false the Linears and
+// LayerNorms have weights only.
+#pragma once
+
+#include "causal_attention/module.h"
+
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/embedding.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace causal_attention {
+
+// GPTConfig of gpt.py, field by field (config.json holds these keys plus "format").
+struct GPTConfig {
+  int64_t vocab_size = 0;
+  int64_t max_len = 0;
+  int64_t dim = 128;
+  int64_t n_layers = 3;
+  int64_t n_heads = 4;
+  std::optional<int64_t> mlp_hidden;  // none: 4 * dim
+  double layer_norm_eps = 1e-5;
+  std::string activation = "gelu";  // "gelu" (exact) or "gelu_tanh" (GPT-2's gelu_new)
+  bool bias = true;
+  bool tie_head = true;
+  double attn_dropout = 0.0;
+  double resid_dropout = 0.0;
+  double embd_dropout = 0.0;
+
+  int64_t hidden() const { return mlp_hidden.value_or(4 * dim); }
+  // Every field checked as GPTConfig.__post_init__ does; a std::invalid_argument naming the field.
+  void validate() const;
+  // From config.json's text: strict (an unknown key, a wrong type or a "format" other than
+  // "causal_attention.gpt" is a FormatError naming it; missing keys take the defaults above, and
+  // vocab_size and max_len are required). `source` names the file in messages.
+  static GPTConfig from_json(const std::string& text, const std::string& source = "config.json");
+  std::string to_json() const;
+};
+
+// LayerNorm with an optional bias (torch::nn::LayerNorm has none to turn off): weight, [bias].
+class LayerNormImpl : public torch::nn::Module {
+ public:
+  LayerNormImpl(int64_t dim, double eps, bool bias);
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight, bias;  // bias undefined without bias
+
+ private:
+  int64_t dim_;
+  double eps_;
+};
+TORCH_MODULE(LayerNorm);
+
+// Pre-LayerNorm block: x + drop(attn(ln1(x))), then x + mlp(ln2(x)) (mlp: Linear, GELU, Linear, Dropout).
+class BlockImpl : public torch::nn::Module {
+ public:
+  explicit BlockImpl(const GPTConfig& config);
+  at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& mask);
+  at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& mask, KVCache& cache);
+
+  LayerNorm ln1{nullptr}, ln2{nullptr};
+  CausalSelfAttention attn{nullptr};
+  torch::nn::Dropout attn_drop{nullptr};
+  torch::nn::Sequential mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+struct GenerateOptions {
+  int64_t max_new_tokens = 32;
+  std::optional<int64_t> top_k;     // none: greedy; else top-k sampling at the temperature
+  double temperature = 1.0;
+  std::optional<int64_t> eos_id;    // a sequence stops after generating it (it is kept)
+  int64_t pad_id = 0;               // fills the right padding of the prefill (never attended)
+  std::optional<uint64_t> seed;     // top-k: a generator seeded so (torch.Generator().manual_seed)
+  bool keep_logits = false;         // return every step's logits
+};
+
+struct GenerateResult {
+  std::vector<std::vector<int64_t>> tokens;  // per prompt, up to and including eos_id
+  at::Tensor step_logits;                     // (B, steps, V) when keep_logits: the logits each token was chosen from
+};
+
+class GPTImpl : public torch::nn::Module {
+ public:
+  explicit GPTImpl(GPTConfig config);
+
+  // tokens (B, T) int64/int32, key_padding_mask (B, T) bool or 0/1 (True = real) -> logits (B, T, V),
+  // zero at padding positions (as the Python forward).
+  at::Tensor forward(const at::Tensor& tokens, const std::optional<at::Tensor>& key_padding_mask = std::nullopt);
+  // With caches (one per layer): tokens are each sequence's new tokens, right-padded by the mask;
+  // positions continue from each cache's length -> final hidden states (B, T, dim), after ln_f.
+  at::Tensor hidden_states(const at::Tensor& tokens, const std::optional<at::Tensor>& key_padding_mask,
+                           std::vector<KVCache>& caches);
+  // Hidden states (..., dim) -> logits (..., V).
+  at::Tensor logits(const at::Tensor& h) const;
+
+  std::vector<KVCache> make_caches(int64_t batch_size, int64_t max_len) const;
+
+  // GPT.generate of gpt.py with use_cache=True: the prompts prefilled right-padded into the caches
+  // (the head only at each prompt's last token), then one token per sequence per step.
+  GenerateResult generate(const std::vector<std::vector<int64_t>>& prompts, const GenerateOptions& options);
+
+  const GPTConfig& config() const { return config_; }
+  at::Tensor head_weight() const;  // (V, dim): tok.weight when tied
+
+  torch::nn::Embedding tok{nullptr}, pos{nullptr};
+  torch::nn::Dropout drop{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  LayerNorm ln_f{nullptr};
+  torch::nn::Linear head{nullptr};  // null when tied
+
+ private:
+  at::Tensor embed(const at::Tensor& tokens, const at::Tensor& offset);  // offset (B,) -> (B, T, dim)
+
+  GPTConfig config_;
+};
+TORCH_MODULE(GPT);
+
+// The model GPT.save (or the demo) wrote into directory: config.json + model.safetensors. The
+// weights are checked strictly: every tensor present, none unexpected, each of the model's shape,
+// all of one floating dtype (the model's dtype); a FormatError names the file and the tensor.
+GPT load_gpt(const std::filesystem::path& directory);
+
+}  // namespace causal_attention

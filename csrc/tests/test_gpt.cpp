@@ -1,0 +1,396 @@
+// The C++ GPT against its pieces (the C++ layer, LayerNorm, Linear, GELU), the KV-cache
+// generation against the full forward, and the strict loader on corrupt or mismatched files.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "causal_attention/gpt.h"
+#include "causal_attention/safetensors.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using causal_attention::FormatError;
+using causal_attention::GPT;
+using causal_attention::GPTConfig;
+using nlohmann::json;
+
+double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) { return (a - b).abs().max().item<double>(); }
+
+// A fresh directory, removed with everything in it at the end of the test.
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    path = fs::temp_directory_path() /
+           ("ca_test_gpt_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    fs::remove_all(path, ignored);
+  }
+};
+
+GPTConfig small_config(bool bias = true, bool tie_head = true) {
+  GPTConfig config;
+  config.vocab_size = 17;
+  config.max_len = 24;
+  config.dim = 16;
+  config.n_layers = 2;
+  config.n_heads = 4;
+  config.mlp_hidden = 24;
+  config.activation = "gelu_tanh";
+  config.bias = bias;
+  config.tie_head = tie_head;
+  return config;
+}
+
+// A model with every parameter random (biases and LayerNorm weights too: the defaults would hide mistakes).
+GPT random_model(const GPTConfig& config, torch::Dtype dtype = torch::kFloat64) {
+  GPT model(config);
+  model->to(dtype);
+  torch::NoGradGuard no_grad;
+  for (auto& p : model->parameters()) p.copy_(torch::randn_like(p) * 0.3);
+  model->eval();
+  return model;
+}
+
+using Tensors = std::vector<std::pair<std::string, torch::Tensor>>;
+
+Tensors state_of(GPT& model) {
+  Tensors state;
+  for (const auto& p : model->named_parameters()) state.emplace_back(p.key(), p.value().detach());
+  return state;
+}
+
+void write_text(const fs::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+}
+
+void save_model(const fs::path& dir, const GPTConfig& config, const Tensors& state) {
+  write_text(dir / "config.json", config.to_json());
+  causal_attention::save_safetensors(dir / "model.safetensors", state, {{"format", "causal_attention.gpt"}});
+}
+
+std::string read_bytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// The header and data of a safetensors file, to be edited and written back.
+struct RawFile {
+  json header;
+  std::string data;
+
+  explicit RawFile(const fs::path& path) {
+    const auto bytes = read_bytes(path);
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(bytes[i]);
+    header = json::parse(bytes.substr(8, n));
+    data = bytes.substr(8 + n);
+  }
+  void write(const fs::path& path, std::optional<uint64_t> size_field = std::nullopt) const {
+    const auto text = header.dump();
+    const uint64_t n = size_field.value_or(text.size());
+    std::string bytes(8, '\0');
+    for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+    write_text(path, bytes + text + data);
+  }
+};
+
+// load_gpt must throw a FormatError whose message holds every piece.
+void expect_load_error(const fs::path& dir, const std::vector<std::string>& pieces) {
+  try {
+    causal_attention::load_gpt(dir);
+    ADD_FAILURE() << "load_gpt accepted the file; expected an error with '" << pieces.front() << "'";
+  } catch (const FormatError& error) {
+    for (const auto& piece : pieces) EXPECT_NE(std::string(error.what()).find(piece), std::string::npos) << error.what();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+TEST(GPTConfig, JsonRoundTripAndStrictness) {
+  const auto config = small_config(false, false);
+  const auto back = GPTConfig::from_json(config.to_json());
+  EXPECT_EQ(back.to_json(), config.to_json());
+  EXPECT_THROW(GPTConfig::from_json(R"({"vocab_size": 5, "max_len": 8, "colour": 1})"), FormatError);
+  EXPECT_THROW(GPTConfig::from_json(R"({"vocab_size": 5, "max_len": 8, "format": "other"})"), FormatError);
+  EXPECT_THROW(GPTConfig::from_json(R"({"vocab_size": 5, "max_len": 8, "dim": 10, "n_heads": 4})"), FormatError);
+  EXPECT_THROW(GPTConfig::from_json(R"({"vocab_size": 5, "max_len": 8, "bias": 1})"), FormatError);
+  EXPECT_THROW(GPTConfig::from_json(R"({"vocab_size": 5})"), FormatError);
+  EXPECT_THROW(GPTConfig::from_json(R"({"vocab_size": 5, "max_len": )"), FormatError);
+}
+
+TEST(GPT, ParameterNamesAreThePythonOnes) {
+  GPT untied(small_config(true, false));
+  const auto names = untied->named_parameters().keys();
+  for (const std::string name : {"tok.weight", "pos.weight", "blocks.0.ln1.weight", "blocks.0.ln1.bias",
+                                 "blocks.1.attn.qkv.weight", "blocks.1.attn.qkv.bias", "blocks.1.attn.proj.bias",
+                                 "blocks.0.ln2.bias", "blocks.0.mlp.0.weight", "blocks.0.mlp.2.bias", "ln_f.weight",
+                                 "head.weight"}) {
+    EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
+  }
+  EXPECT_EQ(names.size(), 2u + 2 * 12 + 2 + 1);
+  GPT plain(small_config(false, true));
+  for (const auto& name : plain->named_parameters().keys()) {
+    EXPECT_EQ(name.find("bias"), std::string::npos) << name;
+    EXPECT_NE(name, "head.weight");
+  }
+  EXPECT_EQ(plain->named_parameters().size(), 2u + 2 * 6 + 1);
+}
+
+// The GPT's forward against the same computation written out from the pieces.
+TEST(GPT, ForwardEqualsItsPieces) {
+  torch::manual_seed(7);
+  for (const bool bias : {true, false}) {
+    for (const bool tie : {true, false}) {
+      const auto config = small_config(bias, tie);
+      auto model = random_model(config);
+      const auto tokens = torch::randint(0, config.vocab_size, {3, 9});
+      const auto lengths = torch::tensor({9, 4, 1});
+      const auto mask = torch::arange(9).unsqueeze(0) < lengths.unsqueeze(1);
+      torch::NoGradGuard no_grad;
+      const auto logits = model->forward(tokens, mask);  // (3, 9, V)
+
+      auto x = model->tok->weight.index_select(0, tokens.flatten()).view({3, 9, config.dim}) +
+               model->pos->weight.narrow(0, 0, 9).unsqueeze(0);
+      const auto norm = [&](const torch::Tensor& h, causal_attention::LayerNorm& ln) {
+        return torch::layer_norm(h, {config.dim}, ln->weight, ln->bias, config.layer_norm_eps);
+      };
+      for (const auto& module : *model->blocks) {
+        auto* block = module->as<causal_attention::BlockImpl>();
+        x = x + block->attn->forward(norm(x, block->ln1), mask);
+        auto* fc = block->mlp[0]->as<torch::nn::LinearImpl>();
+        auto* out = block->mlp[2]->as<torch::nn::LinearImpl>();
+        x = x + torch::nn::functional::linear(
+                    torch::gelu(torch::nn::functional::linear(norm(x, block->ln2), fc->weight, fc->bias), "tanh"),
+                    out->weight, out->bias);
+      }
+      auto expected = torch::matmul(norm(x, model->ln_f), (tie ? model->tok->weight : model->head->weight).t());
+      expected = expected.masked_fill(mask.logical_not().unsqueeze(-1), 0);
+      EXPECT_LE(max_abs_diff(logits, expected), 1e-12) << "bias=" << bias << " tie=" << tie;
+      EXPECT_EQ(logits.index({1, torch::indexing::Slice(4)}).abs().max().item<double>(), 0.0);
+    }
+  }
+}
+
+// Generation: each step's logits equal the full forward of prompt + tokens so far, at its last
+// position; greedy picks their argmax; the ragged batch equals each prompt alone.
+TEST(GPT, GenerateMatchesTheFullForward) {
+  torch::manual_seed(11);
+  const auto config = small_config();
+  auto model = random_model(config);
+  const std::vector<std::vector<int64_t>> prompts{{1, 2, 3, 4, 5}, {6}, {7, 8, 9}};
+  causal_attention::GenerateOptions options;
+  options.max_new_tokens = 6;
+  options.keep_logits = true;
+  const auto result = model->generate(prompts, options);
+  ASSERT_EQ(result.step_logits.sizes(), torch::IntArrayRef({3, 6, config.vocab_size}));
+  torch::NoGradGuard no_grad;
+  for (size_t b = 0; b < prompts.size(); ++b) {
+    ASSERT_EQ(result.tokens[b].size(), 6u);
+    auto seq = prompts[b];
+    for (int64_t s = 0; s < 6; ++s) {
+      const auto full = model->forward(torch::tensor(seq).unsqueeze(0));  // (1, n, V)
+      const auto last = full[0][static_cast<int64_t>(seq.size()) - 1];
+      EXPECT_LE(max_abs_diff(result.step_logits[b][s], last), 1e-10) << "prompt " << b << " step " << s;
+      EXPECT_EQ(result.tokens[b][s], last.argmax().item<int64_t>());
+      seq.push_back(result.tokens[b][s]);
+    }
+    const auto alone = model->generate({prompts[b]}, options);
+    EXPECT_EQ(alone.tokens[0], result.tokens[b]);
+  }
+}
+
+TEST(GPT, GenerateStopsAtEosAndSamplesReproducibly) {
+  torch::manual_seed(3);
+  const auto config = small_config();
+  auto model = random_model(config, torch::kFloat32);
+  const std::vector<std::vector<int64_t>> prompts{{1, 2}, {3, 4, 5, 6}};
+  causal_attention::GenerateOptions greedy;
+  greedy.max_new_tokens = 8;
+  const auto free_run = model->generate(prompts, greedy).tokens;
+  greedy.eos_id = free_run[0][2];
+  const auto stopped = model->generate(prompts, greedy).tokens;
+  const auto first_eos = std::find(free_run[0].begin(), free_run[0].end(), *greedy.eos_id) - free_run[0].begin();
+  EXPECT_EQ(stopped[0], std::vector<int64_t>(free_run[0].begin(), free_run[0].begin() + first_eos + 1));
+
+  causal_attention::GenerateOptions top1;
+  top1.max_new_tokens = 8;
+  top1.top_k = 1;
+  top1.seed = 5;
+  EXPECT_EQ(model->generate(prompts, top1).tokens, free_run);  // k = 1 is greedy
+  causal_attention::GenerateOptions sample = top1;
+  sample.top_k = 5;
+  sample.temperature = 2.0;
+  EXPECT_EQ(model->generate(prompts, sample).tokens, model->generate(prompts, sample).tokens);
+
+  causal_attention::GenerateOptions bad;
+  bad.max_new_tokens = config.max_len;
+  EXPECT_THROW(model->generate(prompts, bad), c10::ValueError);
+  EXPECT_THROW(model->generate({{1, 99}}, greedy), c10::ValueError);  // token outside the vocabulary
+  EXPECT_THROW(model->generate({{}}, greedy), c10::ValueError);
+  bad = greedy;
+  bad.top_k = config.vocab_size + 1;
+  EXPECT_THROW(model->generate(prompts, bad), c10::ValueError);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Files
+
+TEST(LoadGPT, RoundTripsEveryConfiguration) {
+  torch::manual_seed(5);
+  for (const bool bias : {true, false}) {
+    for (const bool tie : {true, false}) {
+      TempDir dir;
+      const auto config = small_config(bias, tie);
+      auto model = random_model(config, torch::kFloat32);
+      save_model(dir.path, config, state_of(model));
+      auto loaded = causal_attention::load_gpt(dir.path);
+      EXPECT_EQ(loaded->config().to_json(), config.to_json());
+      const auto tokens = torch::randint(0, config.vocab_size, {2, 7});
+      torch::NoGradGuard no_grad;
+      EXPECT_EQ(max_abs_diff(loaded->forward(tokens), model->forward(tokens)), 0.0);
+      EXPECT_EQ(loaded->tok->weight.scalar_type(), torch::kFloat32);
+    }
+  }
+}
+
+class CorruptFile : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    torch::manual_seed(9);
+    config = small_config();
+    auto model = random_model(config, torch::kFloat32);
+    state = state_of(model);
+    save_model(dir.path, config, state);
+  }
+  fs::path weights() const { return dir.path / "model.safetensors"; }
+  void replace(const std::string& name, const torch::Tensor& value) {
+    for (auto& [key, tensor] : state) {
+      if (key == name) tensor = value;
+    }
+    save_model(dir.path, config, state);
+  }
+
+  TempDir dir;
+  GPTConfig config;
+  Tensors state;
+};
+
+TEST_F(CorruptFile, Truncated) {
+  const auto bytes = read_bytes(weights());
+  write_text(weights(), bytes.substr(0, bytes.size() - 10));
+  expect_load_error(dir.path, {"model.safetensors", "outside the data section"});
+}
+
+TEST_F(CorruptFile, TruncatedInsideTheHeader) {
+  write_text(weights(), read_bytes(weights()).substr(0, 40));
+  expect_load_error(dir.path, {"runs past the end of the file"});
+  write_text(weights(), "abc");
+  expect_load_error(dir.path, {"too short"});
+}
+
+TEST_F(CorruptFile, WrongShape) {
+  replace("blocks.1.attn.qkv.weight", torch::zeros({3 * config.dim, config.dim + 1}));
+  expect_load_error(dir.path, {"'blocks.1.attn.qkv.weight'", "shape (48, 17)", "expects (48, 16)"});
+}
+
+TEST_F(CorruptFile, WrongDtype) {
+  replace("ln_f.weight", torch::ones({config.dim}, torch::kFloat64));
+  expect_load_error(dir.path, {"'ln_f.weight'", "F64", "F32"});
+  replace("ln_f.weight", torch::ones({config.dim}, torch::kLong));
+  expect_load_error(dir.path, {"'ln_f.weight'", "I64", "floating-point"});
+}
+
+TEST_F(CorruptFile, MissingTensor) {
+  std::erase_if(state, [](const auto& item) { return item.first == "blocks.0.mlp.2.bias"; });
+  save_model(dir.path, config, state);
+  expect_load_error(dir.path, {"missing", "'blocks.0.mlp.2.bias'"});
+}
+
+TEST_F(CorruptFile, UnexpectedTensor) {
+  state.emplace_back("head.weight", torch::zeros({config.vocab_size, config.dim}));  // the head is tied
+  save_model(dir.path, config, state);
+  expect_load_error(dir.path, {"unexpected", "'head.weight'"});
+}
+
+TEST_F(CorruptFile, HeaderLiesAboutSizes) {
+  RawFile raw(weights());
+  raw.header["pos.weight"]["shape"] = {config.max_len + 1, config.dim};  // bytes no longer match
+  raw.write(weights());
+  expect_load_error(dir.path, {"'pos.weight'", "needs"});
+}
+
+TEST_F(CorruptFile, HeaderLiesAboutOffsets) {
+  const RawFile original(weights());
+  RawFile shifted = original;
+  const auto offsets = original.header["blocks.0.ln1.weight"]["data_offsets"];
+  shifted.header["blocks.0.ln1.weight"]["data_offsets"] = {offsets[0].get<uint64_t>() + 4, offsets[1].get<uint64_t>() + 4};
+  shifted.write(weights());
+  expect_load_error(dir.path, {"'blocks.0.ln1.weight'", "not packed"});
+
+  RawFile past = original;
+  past.header["tok.weight"]["data_offsets"] = {past.data.size() + 100, past.data.size() + 100 + 17 * 16 * 4};
+  past.write(weights());
+  expect_load_error(dir.path, {"'tok.weight'", "outside the data section"});
+
+  RawFile negative = original;
+  negative.header["tok.weight"]["data_offsets"] = {-4, 10};
+  negative.write(weights());
+  expect_load_error(dir.path, {"'tok.weight'", "non-negative"});
+
+  RawFile trailing = original;  // bytes after the last tensor
+  trailing.data += "junk";
+  trailing.write(weights());
+  expect_load_error(dir.path, {"unexplained bytes"});
+
+  original.write(weights());
+  EXPECT_NO_THROW(causal_attention::load_gpt(dir.path));
+}
+
+TEST_F(CorruptFile, HeaderSizeHugeOrWrong) {
+  RawFile raw(weights());
+  raw.write(weights(), uint64_t{1} << 62);
+  expect_load_error(dir.path, {"header size", "above the limit"});
+  raw.write(weights(), raw.header.dump().size() + raw.data.size() + 1);
+  expect_load_error(dir.path, {"runs past the end of the file"});
+  raw.write(weights(), raw.header.dump().size() - 1);  // cuts the JSON short
+  expect_load_error(dir.path, {"not well-formed JSON"});
+}
+
+TEST_F(CorruptFile, UnknownDtypeAndBadEntries) {
+  RawFile raw(weights());
+  raw.header["ln_f.weight"]["dtype"] = "F128";
+  raw.write(weights());
+  expect_load_error(dir.path, {"'ln_f.weight'", "unsupported dtype"});
+  RawFile extra(weights());
+  extra.header["ln_f.weight"]["dtype"] = "F32";
+  extra.header["ln_f.weight"]["colour"] = "red";
+  extra.write(weights());
+  expect_load_error(dir.path, {"'ln_f.weight'", "unknown header field"});
+}
+
+TEST_F(CorruptFile, MismatchedConfig) {
+  auto other = config;
+  other.dim = 32;
+  write_text(dir.path / "config.json", other.to_json());
+  expect_load_error(dir.path, {"'tok.weight'", "shape (17, 16)", "expects (17, 32)"});
+  write_text(dir.path / "config.json", R"({"vocab_size": 17, "max_len": 24, "layers": 2})");
+  expect_load_error(dir.path, {"config.json", "unknown option 'layers'"});
+  fs::remove(dir.path / "config.json");
+  expect_load_error(dir.path, {"config.json not found"});
+}
+
+}  // namespace

@@ -1,0 +1,251 @@
+// causal-attention-generate: runs a model that Python's GPT.save (or the demo) wrote, in C++.
+//
+//   causal-attention-generate --model demo_out --prompt 0123456789      # the demo: prints 9876543210
+//   causal-attention-generate --model gpt2_dir --tokens 464,3290 --tokens 40 --max-new-tokens 20
+//
+// Bad arguments and corrupt or mismatched files: the error on stderr and exit code 2.
+#include "causal_attention/gpt.h"
+#include "causal_attention/safetensors.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/utils.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using causal_attention::FormatError;
+
+constexpr int kUsageError = 2;
+
+// The demo's character tokenizer (tokenizer.json beside config.json): a prompt is
+// [bos_id] + one token per character + [sep_id]; an answer is shown up to eos_id, special tokens left out.
+struct CharTokenizer {
+  std::map<std::string, int64_t> vocab;
+  std::optional<int64_t> bos_id, sep_id, eos_id;
+
+  static CharTokenizer load(const std::filesystem::path& path) {
+    using nlohmann::json;
+    std::ifstream in(path);
+    if (!in) {
+      throw FormatError(path.string() + " not found: --prompt needs the model's tokenizer.json (the demo writes "
+                        "one); use --tokens for token ids");
+    }
+    std::stringstream text;
+    text << in.rdbuf();
+    const json values = json::parse(text.str(), nullptr, false);
+    const auto bad = [&](const std::string& why) { return FormatError(path.string() + ": " + why); };
+    if (values.is_discarded() || !values.is_object()) throw bad("not a well-formed JSON object");
+    if (values.value("format", "") != "causal_attention.char_tokenizer") {
+      throw bad("format must be \"causal_attention.char_tokenizer\"");
+    }
+    if (!values.contains("vocab") || !values["vocab"].is_object()) throw bad("vocab must be an object {text: id}");
+    CharTokenizer tokenizer;
+    for (const auto& [piece, id] : values["vocab"].items()) {
+      if (!id.is_number_integer()) throw bad("vocab['" + piece + "'] must be an int; got " + id.dump());
+      tokenizer.vocab[piece] = id.get<int64_t>();
+    }
+    for (const auto& [key, slot] : {std::pair{"bos_id", &tokenizer.bos_id}, std::pair{"sep_id", &tokenizer.sep_id},
+                                    std::pair{"eos_id", &tokenizer.eos_id}}) {
+      if (!values.contains(key) || values[key].is_null()) continue;
+      if (!values[key].is_number_integer()) throw bad(std::string(key) + " must be an int or null");
+      *slot = values[key].get<int64_t>();
+    }
+    return tokenizer;
+  }
+
+  std::vector<int64_t> encode(const std::string& text) const {
+    std::vector<int64_t> ids;
+    if (bos_id) ids.push_back(*bos_id);
+    for (const char c : text) {
+      const auto found = vocab.find(std::string(1, c));
+      if (found == vocab.end()) {
+        throw std::invalid_argument("--prompt: character '" + std::string(1, c) + "' is not in the tokenizer's vocab");
+      }
+      ids.push_back(found->second);
+    }
+    if (sep_id) ids.push_back(*sep_id);
+    return ids;
+  }
+
+  std::string decode(const std::vector<int64_t>& ids) const {
+    std::string text;
+    for (const auto id : ids) {
+      if (eos_id && id == *eos_id) break;
+      for (const auto& [piece, piece_id] : vocab) {
+        if (piece_id == id) text += piece;
+      }
+    }
+    return text;
+  }
+};
+
+std::vector<int64_t> parse_token_list(const std::string& text) {
+  std::vector<int64_t> ids;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    size_t used = 0;
+    int64_t id = -1;
+    try {
+      id = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != item.size() || id < 0) {
+      throw std::invalid_argument("--tokens: expected comma-separated non-negative token ids; got '" + text + "'");
+    }
+    ids.push_back(id);
+  }
+  if (ids.empty()) throw std::invalid_argument("--tokens: empty token list");
+  return ids;
+}
+
+std::string join(const std::vector<int64_t>& ids) {
+  std::string out;
+  for (size_t i = 0; i < ids.size(); ++i) out += (i ? "," : "") + std::to_string(ids[i]);
+  return out;
+}
+
+struct Arguments {
+  std::string model;
+  std::vector<std::string> prompts, token_lists;
+  std::optional<int64_t> max_new_tokens, top_k, eos, seed, threads;
+  double temperature = 1.0;
+  std::string dump_logits;
+  bool bench = false;
+  int bench_runs = 3;
+};
+
+int run(const Arguments& args) {
+  if (args.threads) {
+    if (*args.threads <= 0) throw std::invalid_argument("--threads must be positive");
+    at::set_num_threads(static_cast<int>(*args.threads));
+  }
+  const std::filesystem::path directory(args.model);
+  auto model = causal_attention::load_gpt(directory);
+  const auto& config = model->config();
+
+  std::optional<CharTokenizer> tokenizer;
+  std::vector<std::vector<int64_t>> prompts;
+  if (!args.prompts.empty()) {
+    tokenizer = CharTokenizer::load(directory / "tokenizer.json");
+    for (const auto& text : args.prompts) prompts.push_back(tokenizer->encode(text));
+  }
+  for (const auto& text : args.token_lists) prompts.push_back(parse_token_list(text));
+
+  causal_attention::GenerateOptions options;
+  int64_t longest = 0;
+  for (const auto& p : prompts) longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
+  options.max_new_tokens = args.max_new_tokens.value_or(std::max<int64_t>(1, std::min<int64_t>(32, config.max_len - longest)));
+  options.top_k = args.top_k;
+  options.temperature = args.temperature;
+  options.eos_id = args.eos.has_value() ? args.eos : (tokenizer ? tokenizer->eos_id : std::nullopt);
+  if (args.seed) options.seed = static_cast<uint64_t>(*args.seed);
+  options.keep_logits = !args.dump_logits.empty();
+
+  const auto result = model->generate(prompts, options);
+  for (size_t b = 0; b < prompts.size(); ++b) {
+    std::cout << (tokenizer && b < args.prompts.size() ? tokenizer->decode(result.tokens[b]) : join(result.tokens[b]))
+              << "\n";
+  }
+
+  if (!args.dump_logits.empty()) {
+    // The right-padded prompts, their mask, the full forward's logits (zero at padding), each
+    // generation step's logits and the generated tokens (padded with -1).
+    const auto B = static_cast<int64_t>(prompts.size());
+    auto tokens = at::zeros({B, longest}, at::kLong);
+    auto mask = at::zeros({B, longest}, at::kBool);
+    int64_t most = 0;
+    for (const auto& t : result.tokens) most = std::max<int64_t>(most, static_cast<int64_t>(t.size()));
+    auto generated = at::full({B, most}, -1, at::kLong);
+    for (int64_t b = 0; b < B; ++b) {
+      for (size_t t = 0; t < prompts[b].size(); ++t) {
+        tokens[b][static_cast<int64_t>(t)] = prompts[b][t];
+        mask[b][static_cast<int64_t>(t)] = true;
+      }
+      for (size_t t = 0; t < result.tokens[b].size(); ++t) generated[b][static_cast<int64_t>(t)] = result.tokens[b][t];
+    }
+    at::Tensor forward_logits;
+    {
+      torch::NoGradGuard no_grad;
+      forward_logits = model->forward(tokens, mask);
+    }
+    causal_attention::save_safetensors(args.dump_logits, {{"prompt_tokens", tokens},
+                                                          {"prompt_mask", mask},
+                                                          {"forward_logits", forward_logits},
+                                                          {"step_logits", result.step_logits},
+                                                          {"generated", generated}});
+  }
+
+  if (args.bench) {
+    auto timed = options;
+    timed.keep_logits = false;
+    double best = 0.0;
+    int64_t count = 0;
+    for (int run = 0; run < args.bench_runs; ++run) {
+      const auto start = std::chrono::steady_clock::now();
+      const auto out = model->generate(prompts, timed);
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      count = 0;
+      for (const auto& t : out.tokens) count += static_cast<int64_t>(t.size());
+      best = std::max(best, static_cast<double>(count) / seconds);
+    }
+    std::cout << "bench: " << count << " tokens for " << prompts.size() << " prompt(s), best of " << args.bench_runs
+              << " runs: " << std::fixed << std::setprecision(1) << best << " tokens/s (" << at::get_num_threads()
+              << " threads)\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Generate with a causal_attention GPT saved by Python (GPT.save or the demo): "
+               "greedy or top-k, ragged batches, the C++ KV cache.",
+               "causal-attention-generate"};
+  Arguments args;
+  app.add_option("--model", args.model, "directory with config.json and model.safetensors (GPT.save, the demo's --out)")
+      ->required();
+  auto* prompt = app.add_option("--prompt", args.prompts,
+                                "text prompt, encoded by the model's tokenizer.json (the demo: a digit string); "
+                                "repeat for a batch");
+  auto* tokens = app.add_option("--tokens", args.token_lists, "comma-separated token ids; repeat for a ragged batch");
+  app.add_option("--max-new-tokens", args.max_new_tokens, "tokens to generate per prompt (default: up to 32, within max_len)");
+  app.add_option("--top-k", args.top_k, "sample among the k most likely tokens (default: greedy)");
+  app.add_option("--temperature", args.temperature, "divides the logits before top-k sampling (default 1)");
+  app.add_option("--seed", args.seed, "seed for top-k sampling (as torch.Generator().manual_seed)");
+  app.add_option("--eos", args.eos, "stop a sequence after this token id (default: the tokenizer's eos_id)");
+  app.add_option("--dump-logits", args.dump_logits,
+                 "write prompt_tokens, prompt_mask, forward_logits, step_logits and generated to this safetensors file");
+  app.add_flag("--bench", args.bench, "time generation and print tokens/s");
+  app.add_option("--bench-runs", args.bench_runs, "runs timed by --bench (the best is printed)")->check(CLI::PositiveNumber);
+  app.add_option("--threads", args.threads, "intra-op threads (default: torch's, OMP_NUM_THREADS)");
+  try {
+    app.parse(argc, argv);
+    if (prompt->count() == 0 && tokens->count() == 0) throw CLI::RequiredError("--prompt or --tokens");
+  } catch (const CLI::ParseError& error) {
+    const int code = app.exit(error);
+    return code == 0 ? 0 : kUsageError;
+  }
+  try {
+    return run(args);
+  } catch (const c10::Error& error) {
+    std::cerr << "causal-attention-generate: error: " << error.what_without_backtrace() << "\n";
+  } catch (const std::exception& error) {
+    std::cerr << "causal-attention-generate: error: " << error.what() << "\n";
+  }
+  return kUsageError;
+}
