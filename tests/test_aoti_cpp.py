@@ -14,7 +14,6 @@ Two AOTInductor compiles and one C++ translation unit: about two minutes on two 
 
 from __future__ import annotations
 
-import re
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -23,7 +22,7 @@ import cmake
 import ninja
 import pytest
 import torch
-from test_cpp_package import run, tool
+from test_cpp_package import example_program, readme_cpp_block, run, tool
 
 import causal_attention
 from causal_attention import CausalSelfAttention
@@ -67,39 +66,6 @@ GPT_CONFIG = GPTConfig(vocab_size=13, max_len=27)  # the demo's model
 LAYER_DIM, LAYER_HEADS = 96, 4  # head_dim 24
 
 
-def readme_block() -> str:
-    """The ```cpp block of README.md's AOTInductor section."""
-    section = README.read_text().split(f"\n{SECTION}\n", 1)[1]
-    section = section.split("\n## ", 1)[0].split("\n### ", 1)[0]
-    match = re.search(r"^```cpp\n(.*?)^```$", section, re.MULTILINE | re.DOTALL)
-    assert match, f"no ```cpp block in the section '{SECTION}' of {README}"
-    return match.group(1)
-
-
-def example_program(block: str) -> str:
-    lines = block.splitlines()
-    includes = [line for line in lines if line.startswith("#include")]
-    body = [line for line in lines if not line.startswith("#include")]
-    return "\n".join(
-        [
-            "// Made by tests/test_aoti_cpp.py from README.md's AOTInductor example.",
-            "#include <cstdlib>",
-            "#include <fstream>",
-            "#include <iostream>",
-            "#include <iterator>",
-            "#include <string>",
-            "#include <vector>",
-            "#include <torch/serialize.h>",
-            *includes,
-            "",
-            "int main() {",
-            *(f"  {line}" if line else "" for line in "\n".join(body).strip("\n").splitlines()),
-            CHECKS + "}",
-            "",
-        ]
-    )
-
-
 def compile_package(model: torch.nn.Module, args: tuple[torch.Tensor, ...], max_T: int, path: Path) -> None:
     """Exports model(*args) with dynamic B and T (every argument is (B, T, ...)) and compiles it."""
     B = torch.export.Dim("B", min=1, max=64)
@@ -116,7 +82,9 @@ def ragged_mask(lengths: list[int], T: int) -> torch.Tensor:
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GPT, CausalSelfAttention]:
     """(directory holding gpt.pt2, layer.pt2, layer_in.pt and cpp_out.pt after the run, the GPT, the layer)."""
     work = tmp_path_factory.mktemp("aoti")
-    program = example_program(readme_block())
+    program = example_program(
+        readme_cpp_block(SECTION), made_by="tests/test_aoti_cpp.py", prologue=[], checks=CHECKS,
+        includes=["cstdlib", "fstream", "iostream", "iterator", "string", "vector", "torch/serialize.h"])
     torch.manual_seed(0)
     gpt = GPT(GPT_CONFIG).eval()
     layer = CausalSelfAttention(LAYER_DIM, LAYER_HEADS).eval()

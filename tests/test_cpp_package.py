@@ -75,32 +75,30 @@ RESULT = re.compile(
 )
 
 
-def readme_cpp_block() -> str:
-    """The ```cpp block of README.md's section "## C++"."""
-    section = README.read_text().split("\n## C++\n", 1)[1].split("\n## ", 1)[0]
+def readme_cpp_block(heading: str = "## C++") -> str:
+    """The ```cpp block of README.md's section under heading (up to the next ## or ### heading)."""
+    section = README.read_text().split(f"\n{heading}\n", 1)[1]
+    section = section.split("\n## ", 1)[0].split("\n### ", 1)[0]
     match = re.search(r"^```cpp\n(.*?)^```$", section, re.MULTILINE | re.DOTALL)
-    assert match, f"no ```cpp block in the section '## C++' of {README}"
+    assert match, f"no ```cpp block in the section '{heading}' of {README}"
     return match.group(1)
 
 
-def example_program(block: str) -> str:
-    """main.cpp: the block's #include lines, then main() = the rest of the block and the checks."""
+def example_program(block: str, *, made_by: str, includes: list[str], prologue: list[str], checks: str) -> str:
+    """main.cpp: includes and the block's #include lines, then main() = prologue, the rest of the
+    block, and the checks (which end main)."""
     lines = block.splitlines()
-    includes = [line for line in lines if line.startswith("#include")]
     body = "\n".join(line for line in lines if not line.startswith("#include")).strip("\n").splitlines()
     return "\n".join(
         [
-            "// Made by tests/test_cpp_package.py from README.md's C++ example.",
-            "#include <cstdint>",
-            "#include <cstdlib>",
-            "#include <iostream>",
-            "#include <string>",
-            *includes,
+            f"// Made by {made_by} from a README.md example.",
+            *(f"#include <{name}>" for name in includes),
+            *(line for line in lines if line.startswith("#include")),
             "",
             "int main() {",
-            "  torch::manual_seed(0);",
+            *(f"  {line}" for line in prologue),
             *(f"  {line}" if line else "" for line in body),
-            CHECKS + "}",
+            checks + "}",
             "",
         ]
     )
@@ -127,7 +125,9 @@ def test_readme_example_builds_against_installed_package(tmp_path: Path) -> None
     cmake_exe = tool(cmake.CMAKE_BIN_DIR, "cmake")
     ninja_exe = tool(ninja.BIN_DIR, "ninja")
     (tmp_path / "CMakeLists.txt").write_text(CMAKE_LISTS.format(version=metadata.version("causal_attention")))
-    (tmp_path / "main.cpp").write_text(example_program(readme_cpp_block()))
+    (tmp_path / "main.cpp").write_text(example_program(
+        readme_cpp_block(), made_by="tests/test_cpp_package.py", includes=["cstdint", "cstdlib", "iostream", "string"],
+        prologue=["torch::manual_seed(0);"], checks=CHECKS))
     build = tmp_path / "build"
     prefix_path = f"{causal_attention.cmake_prefix_path};{torch.utils.cmake_prefix_path}"
     run(

@@ -135,17 +135,8 @@ def case_rows(case: Case, *, peers: tuple[str, ...], repeats: int, progress: Pro
             progress.advance(task)
         want = fns["eager"]()
         errors = {peer: (fns[peer]() - want).abs().max().item() for peer in peers}
-
-        def advancing(fn: Callable[[], Tensor]) -> Callable[[], object]:
-            def run() -> object:
-                out = fn()
-                progress.advance(task)
-                return out
-
-            return run
-
         progress.update(task, description=f"{case.name}: timing")
-        medians = interleaved_medians({k: advancing(f) for k, f in fns.items()}, repeats=repeats, warmup=1)
+        medians = interleaved_medians(fns, repeats=repeats, warmup=1, after_call=lambda: progress.advance(task))
     progress.remove_task(task)
     ours = medians["eager"] * 1e3
     rows = [Row(case.name, peer, ours, medians[peer] * 1e3, medians[peer] * 1e3 / ours, errors[peer]) for peer in peers]

@@ -83,17 +83,8 @@ def _batch(config: Any, B: int, T: int, lengths: list[int]) -> tuple[Tensor, Ten
 def _timed(fns: dict[str, Callable[[], object]], repeats: int, progress: Progress, label: str) -> dict[str, float]:
     """interleaved_medians of fns (1 warm-up round), in ms, advancing a progress bar per call."""
     task = progress.add_task(label, total=len(fns) * (repeats + 1))
-
-    def advancing(fn: Callable[[], object]) -> Callable[[], object]:
-        def run() -> object:
-            out = fn()
-            progress.advance(task)
-            return out
-
-        return run
-
     with torch.no_grad():
-        medians = interleaved_medians({k: advancing(f) for k, f in fns.items()}, repeats=repeats, warmup=1)
+        medians = interleaved_medians(fns, repeats=repeats, warmup=1, after_call=lambda: progress.advance(task))
     return {k: v * 1e3 for k, v in medians.items()}
 
 
