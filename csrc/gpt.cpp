@@ -39,22 +39,6 @@ std::string shape_string(at::IntArrayRef shape) {
   return out.str();
 }
 
-// Below this many rows (a decode step) without autograd, x W^T (+ b) is computed as (W x^T)^T, as
-// Python's few_rows_matmul (module.py): for a handful of rows BLAS streams the weight faster in
-// that orientation (GPT-2's 50257-wide head most of all).
-constexpr int64_t kFewRows = 8;
-
-at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  const int64_t rows = x.numel() / std::max<int64_t>(1, x.size(-1));
-  const std::optional<at::Tensor> maybe_bias = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
-  if (rows > kFewRows || at::GradMode::is_enabled()) return at::linear(x, weight, maybe_bias);
-  const auto xt = x.reshape({rows, x.size(-1)}).t();                                     // (in, rows)
-  const auto y = bias.defined() ? at::addmm(bias.unsqueeze(1), weight, xt) : at::mm(weight, xt);  // (out, rows)
-  auto sizes = x.sizes().vec();
-  sizes.back() = weight.size(0);
-  return y.t().reshape(sizes);  // (..., out)
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -215,11 +199,11 @@ at::Tensor BlockImpl::forward(const at::Tensor& x, const std::optional<at::Tenso
 
 at::Tensor BlockImpl::forward(const at::Tensor& x, const std::optional<at::Tensor>& mask, KVCache& cache) {
   const auto h = x + attn_drop->forward(attn->forward(ln1->forward(x), mask, cache));  // (B, t, dim)
-  // The MLP module by module, so that a decode step's few rows take linear_rows' W x^T path.
+  // The MLP module by module, so that a decode step's few rows take few_rows_linear's W x^T path.
   const auto& fc = mlp[0]->as<torch::nn::LinearImpl>();
   const auto& out = mlp[2]->as<torch::nn::LinearImpl>();
-  const auto inner = mlp[1]->as<torch::nn::GELUImpl>()->forward(linear_rows(ln2->forward(h), fc->weight, fc->bias));
-  return h + mlp[3]->as<torch::nn::DropoutImpl>()->forward(linear_rows(inner, out->weight, out->bias));
+  const auto inner = mlp[1]->as<torch::nn::GELUImpl>()->forward(few_rows_linear(ln2->forward(h), fc->weight, fc->bias));
+  return h + mlp[3]->as<torch::nn::DropoutImpl>()->forward(few_rows_linear(inner, out->weight, out->bias));
 }
 
 GPTImpl::GPTImpl(GPTConfig config) : config_(std::move(config)) {
@@ -264,7 +248,7 @@ at::Tensor GPTImpl::embed(const at::Tensor& tokens, const at::Tensor& offset) {
   return drop->forward(tok->forward(tokens) + pos->forward(positions));  // (B, T, dim)
 }
 
-at::Tensor GPTImpl::logits(const at::Tensor& h) const { return linear_rows(h, head_weight(), at::Tensor()); }
+at::Tensor GPTImpl::logits(const at::Tensor& h) const { return few_rows_linear(h, head_weight(), at::Tensor()); }
 
 at::Tensor GPTImpl::forward(const at::Tensor& tokens, const std::optional<at::Tensor>& key_padding_mask) {
   auto x = embed(tokens, at::zeros({tokens.dim() == 2 ? tokens.size(0) : 0}, at::kLong));  // (B, T, dim)

@@ -4,6 +4,8 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
+
 namespace causal_attention {
 
 namespace {
@@ -20,6 +22,18 @@ double checked_dropout(double dropout) {
   return dropout;
 }
 }  // namespace
+
+at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  const int64_t rows = x.numel() / std::max<int64_t>(1, x.size(-1));
+  if (rows > kFewRows || at::GradMode::is_enabled()) {
+    return at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+  }
+  const auto xt = x.reshape({rows, x.size(-1)}).t();                                               // (in, rows)
+  const auto y = bias.defined() ? at::addmm(bias.unsqueeze(1), weight, xt) : at::mm(weight, xt);  // (out, rows)
+  auto sizes = x.sizes().vec();
+  sizes.back() = weight.size(0);
+  return y.t().reshape(sizes);  // (..., out)
+}
 
 KVCache::KVCache(int64_t batch_size, int64_t n_heads, int64_t head_dim, int64_t max_len,
                  const at::TensorOptions& options) {
@@ -70,11 +84,11 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, const std::opti
   const auto mask = normalize_key_padding_mask(key_padding_mask, x);  // (B, t) bool or none
   const auto start = cache.lengths;                                    // (B,)
   const auto end = cache_end(start, mask, x.size(1), cache.max_len());  // (B,), checked
-  const auto qkv_out = qkv->forward(x);  // (B, t, 3 * dim)
+  const auto qkv_out = few_rows_linear(x, qkv->weight, qkv->bias);  // (B, t, 3 * dim)
   kernels::kv_cache_write_cpu(qkv_out, cache.k, cache.v, start, end, n_heads_);
   const auto heads = kernels::decode_attention_cpu(qkv_out, cache.k, cache.v, start, end, n_heads_);  // (B, t, dim)
   cache.lengths.copy_(end);
-  return proj->forward(heads);
+  return few_rows_linear(heads, proj->weight, proj->bias);
 }
 
 at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, const std::optional<at::Tensor>& key_padding_mask) {
