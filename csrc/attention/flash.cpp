@@ -21,7 +21,9 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
+#include "blas.h"
 #include "causal_attention/attention.h"
 #include "philox.h"
 #include "tensor_tiles.h"
@@ -68,26 +70,42 @@ MaskSummary summarize(const std::optional<at::Tensor>& mask, int64_t B, int64_t 
 template <typename scalar_t>
 constexpr bool kReduced = !std::is_same_v<scalar_t, at::opmath_type<scalar_t>>;
 
-// s (rows, cols, acc_t) = a . b^T, from the acc_t operands, or straight from the bfloat16 inputs
-// (a_in, b_in: rows read with leading dimensions ld_a, ld_b) with the AVX512-BF16 micro-kernel.
-template <typename scalar_t>
-void score_tile(at::Tensor s, const at::Tensor& a, const at::Tensor& b, const scalar_t* a_in, int64_t ld_a,
-                const scalar_t* b_in, int64_t ld_b, uint32_t* pack) {
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (pack != nullptr) {
-      tile::tile_ops<scalar_t>().bf16_scores(a_in, ld_a, b_in, ld_b, s.size(0), s.size(1), a.size(1),
-                                             s.data_ptr<float>(), s.stride(0), pack);
-      return;
-    }
-  }
-  at::mm_out(s, a, b.t());
-}
-
 // Whether the AVX512-BF16 score micro-kernel runs (bfloat16 on a CPU that has it, even head_dim).
 template <typename scalar_t>
 bool use_bf16_scores(int64_t hd) {
   return tile::tile_ops<scalar_t>().bf16_scores != nullptr && hd % 2 == 0;
 }
+
+// ---- Tile products: raw pointers, one BLAS call each (blas.h) ------------------------------------
+
+// s (rows x cols, acc_t, ld_s) = a . b^T, a: rows x hd (ld_a), b: cols x hd (ld_b), both in the input
+// type; bfloat16 on a CPU with AVX512-BF16 by the vdpbf16ps micro-kernel (pack: its scratch).
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void score_product(const scalar_t* a, int64_t ld_a, const scalar_t* b, int64_t ld_b, int64_t rows, int64_t cols,
+                   int64_t hd, acc_t* s, int64_t ld_s, uint32_t* pack) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (pack != nullptr) {
+      tile::tile_ops<scalar_t>().bf16_scores(a, ld_a, b, ld_b, rows, cols, hd, s, ld_s, pack);
+      return;
+    }
+  }
+  blas::gemm(false, true, rows, cols, hd, acc_t(1), a, ld_a, b, ld_b, acc_t(0), s, ld_s);
+}
+
+// x (rows x cols, acc_t, ld) as the operand of a product in the input type: x itself for float and
+// double; for bfloat16 / half, x rounded into buf (the same layout).
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+const scalar_t* input_operand(const acc_t* x, [[maybe_unused]] scalar_t* buf, [[maybe_unused]] int64_t ld,
+                              [[maybe_unused]] int64_t rows, [[maybe_unused]] int64_t cols) {
+  if constexpr (kReduced<scalar_t>) {
+    tile::tile_ops<scalar_t>().store(x, ld, rows, cols, buf, ld);
+    return buf;
+  } else {
+    return x;
+  }
+}
+
+// ---- Where the operands of one (batch, head) are --------------------------------------------------
 
 // Query blocks of one (batch, head) in an order that pairs short causal rows with long ones, so
 // that contiguous ranges of work items hold balanced work.
@@ -103,234 +121,307 @@ Geometry geometry(const at::Tensor& qkv, int64_t n_heads, int64_t block_q, int64
   return {qkv.size(0), T, n_heads, dim, dim / n_heads, ceil_div(T, block_q), ceil_div(T, block_k)};
 }
 
+// Row t of head h's q, k and v in sequence b: q + t * ld, k + t * ld, v + t * ld (hd entries each),
+// read in place from qkv (B, T, 3 * dim) whose rows are dense.
+template <typename scalar_t>
+struct HeadRows {
+  HeadRows(const at::Tensor& qkv, const Geometry& g, int64_t b, int64_t h)
+      : ld(qkv.stride(1)),
+        q(qkv.const_data_ptr<scalar_t>() + b * qkv.stride(0) + h * g.hd),
+        k(q + g.dim),
+        v(q + 2 * g.dim) {}
+  int64_t ld;
+  const scalar_t* q;
+  const scalar_t* k;
+  const scalar_t* v;
+};
+
 // The dropout of a call: none (p = 0), or its probability and seed.
 using OptionalDropout = std::optional<philox::Dropout>;
 
-template <typename scalar_t>
-void forward_impl(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, const Geometry& g,
-                  const OptionalDropout& drop, const at::Tensor& out, const at::Tensor& lse) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const auto& ops = tile::tile_ops<scalar_t>();   // conversions from and to the input type
-  const auto& acc_ops = tile::tile_ops<acc_t>();  // the tiles, in acc_t
-  const MaskSummary summary = summarize(mask, g.B, g.T, kBlockK);
-  scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  acc_t* lse_ptr = lse.data_ptr<acc_t>();
-  const acc_t scale = acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd));
-  const at::Tensor qkv_acc = widened(qkv);  // (B, T, 3 * dim) acc_t
-  const bool dot_bf16 = use_bf16_scores<scalar_t>(g.hd);
-  const scalar_t* qkv_in = qkv.data_ptr<scalar_t>();
-  const int64_t ld = qkv.stride(1);
-
-  at::parallel_for(0, g.B * g.H * g.nq, 1, [&](int64_t begin, int64_t end) {
-    // Worker threads do not inherit the caller's dispatch state: the tile products below are
-    // plain kernels, never recorded by autograd.
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    // Per-chunk workspace, reused by every work item of the chunk.
-    const auto acc_options = qkv_acc.options();
-    const at::Tensor scores = at::empty({kBlockQ * kBlockK}, acc_options);
-    const at::Tensor pv = at::empty({kBlockQ * g.hd}, acc_options);
-    const at::Tensor pack = dot_bf16 ? at::empty({(g.hd / 2) * (kBlockK + 32)}, acc_options.dtype(at::kInt))
-                                     : at::Tensor();
-    uint32_t* pack_ptr = dot_bf16 ? reinterpret_cast<uint32_t*>(pack.data_ptr<int32_t>()) : nullptr;
-    const at::Tensor state = at::empty({kBlockQ * g.hd + 3 * kBlockQ + kBlockK}, acc_options);
-    acc_t* o_acc = state.data_ptr<acc_t>();  // (bq, hd) unnormalised output
-    acc_t* m = o_acc + kBlockQ * g.hd;       // running row max
-    acc_t* l = m + kBlockQ;                  // running row sum
-    acc_t* alpha = l + kBlockQ;
-    acc_t* buf = alpha + kBlockQ;
-
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t bh = item / g.nq;
-      const int64_t b = bh / g.H;
-      const int64_t h = bh % g.H;
-      const int64_t qb = balanced_block(item % g.nq, g.nq);
-      const int64_t q0 = qb * kBlockQ;
-      const int64_t q1 = std::min(g.T, q0 + kBlockQ);
-      const int64_t bq = q1 - q0;
-      const auto seq = qkv_acc.select(0, b);                          // (T, 3 * dim)
-      const auto q = seq.narrow(0, q0, bq).narrow(1, h * g.hd, g.hd);  // (bq, hd)
-      const scalar_t* seq_in = qkv_in + b * qkv.stride(0);
-
-      std::fill(o_acc, o_acc + bq * g.hd, acc_t(0));
-      std::fill(m, m + bq, -std::numeric_limits<acc_t>::infinity());
-      std::fill(l, l + bq, acc_t(0));
-
-      const int64_t k_stop = std::min(q1, summary.key_end[b]);  // causal, and no key past the last real one
-      for (int64_t kb = 0; kb * kBlockK < k_stop; ++kb) {
-        const uint8_t st = summary.status[b * g.nk + kb];
-        if (st == kNoneReal) {
-          continue;
-        }
-        const int64_t k0 = kb * kBlockK;
-        const int64_t bk = std::min(k_stop, k0 + kBlockK) - k0;
-        const bool* key_mask = (st == kMixed) ? summary.mask + b * g.T + k0 : nullptr;
-        // Rows r0..r1 of the query block against the first `cols` keys of the key block.
-        const auto attend = [&](int64_t r0, int64_t r1, int64_t cols) {
-          const int64_t rows = r1 - r0;
-          const auto k = seq.narrow(0, k0, cols).narrow(1, g.dim + h * g.hd, g.hd);      // (cols, hd)
-          const auto v = seq.narrow(0, k0, cols).narrow(1, 2 * g.dim + h * g.hd, g.hd);  // (cols, hd)
-          const at::Tensor s = tile(scores, rows, cols);                                 // (rows, cols)
-          const int64_t causal_offset = (k0 + cols - 1 > q0 + r0) ? q0 + r0 - k0 : tile::kNoCausal;
-          score_tile<scalar_t>(s, q.narrow(0, r0, rows), k, seq_in + (q0 + r0) * ld + h * g.hd, ld,
-                               seq_in + k0 * ld + g.dim + h * g.hd, ld, pack_ptr);
-          acc_ops.softmax_tile(s.data_ptr<acc_t>(), cols, rows, cols, scale, causal_offset, key_mask, m + r0, l + r0,
-                               alpha + r0, buf);
-          if (drop.has_value()) {  // after the row sums: they are the softmax's, before dropout
-            acc_ops.dropout(s.data_ptr<acc_t>(), nullptr, cols, rows, cols, *drop, static_cast<uint64_t>(bh), q0 + r0,
-                            k0);
-          }
-          ops.round_to_input(s.data_ptr<acc_t>(), cols, rows, cols);  // P as an input-type operand (entries <= 1)
-          at::Tensor pv_tile = tile(pv, rows, g.hd);                   // (rows, hd)
-          at::mm_out(pv_tile, s, v);
-          acc_ops.rescale_add(o_acc + r0 * g.hd, g.hd, pv_tile.data_ptr<acc_t>(), g.hd, rows, g.hd, alpha + r0);
-        };
-        if (k0 + bk - 1 <= q0) {  // below the diagonal: every row sees every key
-          attend(0, bq, bk);
-          continue;
-        }
-        // On the diagonal: rows in slices, each against the keys it can see.
-        for (int64_t r0 = 0; r0 < bq; r0 += kDiagonalRows) {
-          const int64_t r1 = std::min(bq, r0 + kDiagonalRows);
-          const int64_t cols = std::min(bk, q0 + r1 - k0);
-          if (cols > 0) {
-            attend(r0, r1, cols);
-          }
-        }
-      }
-      ops.finalize(o_acc, g.hd, bq, g.hd, m, l, out_ptr + (b * g.T + q0) * g.dim + h * g.hd, g.dim,
-                   lse_ptr + bh * g.T + q0);
+// Calls f(r0, r1, cols) for the tiles of a query block (q0, bq rows) against a key block (k0, bk
+// keys): one tile below the diagonal; on the diagonal, slices of kDiagonalRows rows, each against
+// the keys its rows can see.
+template <typename F>
+void causal_tiles(int64_t q0, int64_t bq, int64_t k0, int64_t bk, const F& f) {
+  if (k0 + bk - 1 <= q0) {
+    f(0, bq, bk);
+    return;
+  }
+  for (int64_t r0 = 0; r0 < bq; r0 += kDiagonalRows) {
+    const int64_t r1 = std::min(bq, r0 + kDiagonalRows);
+    const int64_t cols = std::min(bk, q0 + r1 - k0);
+    if (cols > 0) {
+      f(r0, r1, cols);
     }
-  });
+  }
 }
 
+// The causal limit of tile rows starting at query q (tile::kNoCausal when every row sees every key).
+int64_t causal_offset(int64_t q, int64_t k0, int64_t cols) { return (k0 + cols - 1 > q) ? q - k0 : tile::kNoCausal; }
+
+// ---- Forward --------------------------------------------------------------------------------------
+
+// One thread's scratch, reused by every work item of its chunk.
 template <typename scalar_t>
-void backward_impl(const at::Tensor& grad_out, const at::Tensor& qkv, const std::optional<at::Tensor>& mask,
-                   const at::Tensor& out, const at::Tensor& lse, const Geometry& g, const OptionalDropout& drop,
-                   const at::Tensor& grad_qkv) {
+struct ForwardWorkspace {
   using acc_t = at::opmath_type<scalar_t>;
-  const auto& ops = tile::tile_ops<scalar_t>();   // conversions from and to the input type
-  const auto& acc_ops = tile::tile_ops<acc_t>();  // the tiles, in acc_t
-  const MaskSummary summary = summarize(mask, g.B, g.T, kBwdBlockK);
-  const acc_t* lse_ptr = lse.data_ptr<acc_t>();
-  const acc_t scale = acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd));
-  const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
-  // delta[b, t, h] = sum_d dO[b, t, h, d] * O[b, t, h, d]   (O with dropout: sum_j P dP_drop, still)
-  const at::Tensor delta = (grad_out.to(acc_dtype) * out.to(acc_dtype)).view({g.B, g.T, g.H, g.hd}).sum(3).contiguous();
-  const acc_t* delta_ptr = delta.data_ptr<acc_t>();
-  const at::Tensor qkv_acc = widened(qkv);        // (B, T, 3 * dim) acc_t
-  const at::Tensor dout_acc = widened(grad_out);  // (B, T, dim) acc_t
-  const bool dot_bf16 = use_bf16_scores<scalar_t>(g.hd);
-  const scalar_t* qkv_in = qkv.data_ptr<scalar_t>();
-  const scalar_t* dout_in = grad_out.data_ptr<scalar_t>();
-  scalar_t* grad_ptr = grad_qkv.data_ptr<scalar_t>();
-  const int64_t ld = qkv.stride(1);
-  const int64_t ld_grad = 3 * g.dim;
+  ForwardWorkspace(int64_t hd, bool bf16_pack)
+      : s(kBlockQ * kBlockK),
+        p_in(kReduced<scalar_t> ? kBlockQ * kBlockK : 0),
+        pv(kBlockQ * hd),
+        o(kBlockQ * hd),
+        m(kBlockQ),
+        l(kBlockQ),
+        alpha(kBlockQ),
+        buf(kBlockK),
+        pack(bf16_pack ? (hd / 2) * (kBlockK + 32) : 0) {}
+  std::vector<acc_t> s;         // scores, then P
+  std::vector<scalar_t> p_in;   // P in the input type (bfloat16 / half)
+  std::vector<acc_t> pv;        // P V of one tile
+  std::vector<acc_t> o;         // (bq, hd) unnormalised output
+  std::vector<acc_t> m, l, alpha, buf;  // running row max and sum, rescale factors, row scratch
+  std::vector<uint32_t> pack;   // bf16_scores' packed keys
+};
 
-  at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t end) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;  // as in the forward
-    const auto acc_options = qkv_acc.options();
-    const at::Tensor p_ws = at::empty({kBwdBlockQ * kBwdBlockK}, acc_options);   // P
-    const at::Tensor dp_ws = at::empty({kBwdBlockQ * kBwdBlockK}, acc_options);  // dP, then dS
-    // bfloat16/half: P rounded to the input type for P^T dO (dS is computed from the unrounded P);
-    // with dropout, P_drop.
-    const bool p_copy = kReduced<scalar_t> || drop.has_value();
-    const at::Tensor p_in_ws = p_copy ? at::empty({kBwdBlockQ * kBwdBlockK}, acc_options) : at::Tensor();
-    const at::Tensor pack = dot_bf16 ? at::empty({(g.hd / 2) * (kBwdBlockK + 32)}, acc_options.dtype(at::kInt))
-                                     : at::Tensor();
-    uint32_t* pack_ptr = dot_bf16 ? reinterpret_cast<uint32_t*>(pack.data_ptr<int32_t>()) : nullptr;
-    const at::Tensor acc = at::empty({(g.T + 2 * kBwdBlockK) * g.hd}, acc_options);
-    acc_t* dq_acc = acc.data_ptr<acc_t>();     // (T, hd)
-    acc_t* dk_acc = dq_acc + g.T * g.hd;       // (block_k, hd)
-    acc_t* dv_acc = dk_acc + kBwdBlockK * g.hd;  // (block_k, hd)
+template <typename scalar_t>
+class ForwardPass {
+ public:
+  using acc_t = at::opmath_type<scalar_t>;
 
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / g.H;
-      const int64_t h = bh % g.H;
-      const auto seq = qkv_acc.select(0, b);    // (T, 3 * dim)
-      const auto dout = dout_acc.select(0, b);  // (T, dim)
-      const scalar_t* seq_in = qkv_in + b * qkv.stride(0);
-      const scalar_t* dout_seq_in = dout_in + b * g.T * g.dim;
-      std::fill(dq_acc, dq_acc + g.T * g.hd, acc_t(0));
-      scalar_t* grad_seq = grad_ptr + b * g.T * ld_grad;
+  ForwardPass(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, const Geometry& g,
+              const OptionalDropout& drop, const at::Tensor& out, const at::Tensor& lse)
+      : qkv_(qkv),
+        g_(g),
+        summary_(summarize(mask, g.B, g.T, kBlockK)),
+        drop_(drop),
+        out_(out.data_ptr<scalar_t>()),
+        lse_(lse.data_ptr<acc_t>()),
+        scale_(acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd))),
+        bf16_pack_(use_bf16_scores<scalar_t>(g.hd)) {}
 
-      // dK and dV of keys that no query may attend (padding) are zero.
-      const auto zero_key_rows = [&](int64_t k0, int64_t k1) {
-        for (int64_t t = k0; t < k1; ++t) {
-          scalar_t* row = grad_seq + t * ld_grad + h * g.hd;
-          std::fill(row + g.dim, row + g.dim + g.hd, scalar_t(0));
-          std::fill(row + 2 * g.dim, row + 2 * g.dim + g.hd, scalar_t(0));
-        }
-      };
-      zero_key_rows(summary.key_end[b], g.T);
-      for (int64_t kb = 0; kb * kBwdBlockK < summary.key_end[b]; ++kb) {
-        const uint8_t st = summary.status[b * g.nk + kb];
-        const int64_t k0 = kb * kBwdBlockK;
-        const int64_t bk = std::min(summary.key_end[b], k0 + kBwdBlockK) - k0;
-        if (st == kNoneReal) {
-          zero_key_rows(k0, k0 + bk);
-          continue;
-        }
-        const auto k = seq.narrow(0, k0, bk).narrow(1, g.dim + h * g.hd, g.hd);      // (bk, hd)
-        const auto v = seq.narrow(0, k0, bk).narrow(1, 2 * g.dim + h * g.hd, g.hd);  // (bk, hd)
-        const bool* key_mask = (st == kMixed) ? summary.mask + b * g.T + k0 : nullptr;
-        std::fill(dk_acc, dk_acc + bk * g.hd, acc_t(0));
-        std::fill(dv_acc, dv_acc + bk * g.hd, acc_t(0));
-
-        for (int64_t q0 = (k0 / kBwdBlockQ) * kBwdBlockQ; q0 < g.T; q0 += kBwdBlockQ) {
-          const int64_t bq = std::min(g.T, q0 + kBwdBlockQ) - q0;
-          // Query rows r0..r1 of the block against the first `cols` keys of the key block.
-          const auto grad_tile = [&](int64_t r0, int64_t r1, int64_t cols) {
-            const int64_t rows = r1 - r0;
-            const auto q = seq.narrow(0, q0 + r0, rows).narrow(1, h * g.hd, g.hd);    // (rows, hd)
-            const auto dO = dout.narrow(0, q0 + r0, rows).narrow(1, h * g.hd, g.hd);  // (rows, hd)
-            const auto kc = k.narrow(0, 0, cols);                                       // (cols, hd)
-            const auto vc = v.narrow(0, 0, cols);                                       // (cols, hd)
-            const at::Tensor p = tile(p_ws, rows, cols);                                // (rows, cols)
-            const at::Tensor dp = tile(dp_ws, rows, cols);                              // (rows, cols)
-            const int64_t causal_offset = (k0 + cols - 1 > q0 + r0) ? q0 + r0 - k0 : tile::kNoCausal;
-            const acc_t* lse_rows = lse_ptr + bh * g.T + q0 + r0;
-            const acc_t* delta_rows = delta_ptr + (b * g.T + q0 + r0) * g.H + h;
-            // P = exp(scale * q k^T - lse)
-            score_tile<scalar_t>(p, q, kc, seq_in + (q0 + r0) * ld + h * g.hd, ld, seq_in + k0 * ld + g.dim + h * g.hd,
-                                 ld, pack_ptr);
-            acc_ops.probabilities(p.data_ptr<acc_t>(), cols, rows, cols, scale, causal_offset, key_mask, lse_rows);
-            // dP = dO v^T
-            score_tile<scalar_t>(dp, dO, vc, dout_seq_in + (q0 + r0) * g.dim + h * g.hd, g.dim,
-                                 seq_in + k0 * ld + 2 * g.dim + h * g.hd, ld, pack_ptr);
-            const at::Tensor p_in = p_copy ? tile(p_in_ws, rows, cols).copy_(p) : p;
-            if (drop.has_value()) {  // P_drop = P * keep / (1 - p) and dP_drop = dP * keep / (1 - p)
-              acc_ops.dropout(p_in.data_ptr<acc_t>(), dp.data_ptr<acc_t>(), cols, rows, cols, *drop,
-                              static_cast<uint64_t>(bh), q0 + r0, k0);
-            }
-            if constexpr (kReduced<scalar_t>) {
-              ops.round_to_input(p_in.data_ptr<acc_t>(), cols, rows, cols);
-            }
-            accumulate_product(dv_acc, g.hd, p_in.t(), dO);  // dV += P_drop^T dO
-            // dS = scale * P (dP_drop - delta), rounded to the input type for the products that follow
-            acc_ops.score_grad(dp.data_ptr<acc_t>(), p.data_ptr<acc_t>(), cols, rows, cols, scale, delta_rows, g.H);
-            ops.round_to_input(dp.data_ptr<acc_t>(), cols, rows, cols);
-            accumulate_product(dq_acc + (q0 + r0) * g.hd, g.hd, dp, kc);  // dQ += dS K
-            accumulate_product(dk_acc, g.hd, dp.t(), q);                   // dK += dS^T Q
-          };
-          if (k0 + bk - 1 <= q0) {  // below the diagonal: every row sees every key
-            grad_tile(0, bq, bk);
-            continue;
-          }
-          for (int64_t r0 = 0; r0 < bq; r0 += kDiagonalRows) {  // on the diagonal, as in the forward
-            const int64_t r1 = std::min(bq, r0 + kDiagonalRows);
-            const int64_t cols = std::min(bk, q0 + r1 - k0);
-            if (cols > 0) {
-              grad_tile(r0, r1, cols);
-            }
-          }
-        }
-        ops.store(dk_acc, g.hd, bk, g.hd, grad_seq + k0 * ld_grad + g.dim + h * g.hd, ld_grad);
-        ops.store(dv_acc, g.hd, bk, g.hd, grad_seq + k0 * ld_grad + 2 * g.dim + h * g.hd, ld_grad);
+  // The parallel schedule: work items are (batch, head, query block), balanced_block order.
+  void run() const {
+    at::parallel_for(0, g_.B * g_.H * g_.nq, 1, [&](int64_t begin, int64_t end) {
+      ForwardWorkspace<scalar_t> ws(g_.hd, bf16_pack_);
+      for (int64_t item = begin; item < end; ++item) {
+        query_block(item / g_.nq, balanced_block(item % g_.nq, g_.nq), ws);
       }
-      ops.store(dq_acc, g.hd, g.T, g.hd, grad_seq + h * g.hd, ld_grad);
+    });
+  }
+
+ private:
+  // Query block qb of (batch, head) bh against every key block it may see.
+  void query_block(int64_t bh, int64_t qb, ForwardWorkspace<scalar_t>& ws) const {
+    const int64_t b = bh / g_.H;
+    const int64_t h = bh % g_.H;
+    const HeadRows<scalar_t> rows(qkv_, g_, b, h);
+    const int64_t q0 = qb * kBlockQ;
+    const int64_t bq = std::min(g_.T, q0 + kBlockQ) - q0;
+    std::fill(ws.o.begin(), ws.o.begin() + bq * g_.hd, acc_t(0));
+    std::fill(ws.m.begin(), ws.m.begin() + bq, -std::numeric_limits<acc_t>::infinity());
+    std::fill(ws.l.begin(), ws.l.begin() + bq, acc_t(0));
+
+    const int64_t k_stop = std::min(q0 + bq, summary_.key_end[b]);  // causal, and no key past the last real one
+    for (int64_t kb = 0; kb * kBlockK < k_stop; ++kb) {
+      const uint8_t st = summary_.status[b * g_.nk + kb];
+      if (st == kNoneReal) {
+        continue;
+      }
+      const int64_t k0 = kb * kBlockK;
+      const bool* key_mask = (st == kMixed) ? summary_.mask + b * g_.T + k0 : nullptr;
+      causal_tiles(q0, bq, k0, std::min(k_stop, k0 + kBlockK) - k0, [&](int64_t r0, int64_t r1, int64_t cols) {
+        tile(rows, bh, q0 + r0, r0, r1 - r0, k0, cols, key_mask, ws);
+      });
     }
-  });
-}
+    tile::tile_ops<scalar_t>().finalize(ws.o.data(), g_.hd, bq, g_.hd, ws.m.data(), ws.l.data(),
+                                        out_ + (b * g_.T + q0) * g_.dim + h * g_.hd, g_.dim, lse_ + bh * g_.T + q0);
+  }
+
+  // Queries q..q+n (rows r0.. of the block's state) against keys k0..k0+cols: the scores, one
+  // online-softmax step, dropout, and O = O * alpha + P V.
+  void tile(const HeadRows<scalar_t>& rows, int64_t bh, int64_t q, int64_t r0, int64_t n, int64_t k0, int64_t cols,
+            const bool* key_mask, ForwardWorkspace<scalar_t>& ws) const {
+    const auto& acc_ops = tile::tile_ops<acc_t>();
+    acc_t* s = ws.s.data();
+    score_product<scalar_t>(rows.q + q * rows.ld, rows.ld, rows.k + k0 * rows.ld, rows.ld, n, cols, g_.hd, s, cols,
+                            bf16_pack_ ? ws.pack.data() : nullptr);
+    acc_ops.softmax_tile(s, cols, n, cols, scale_, causal_offset(q, k0, cols), key_mask, ws.m.data() + r0,
+                         ws.l.data() + r0, ws.alpha.data() + r0, ws.buf.data());
+    if (drop_.has_value()) {  // after the row sums: they are the softmax's, before dropout
+      acc_ops.dropout(s, nullptr, cols, n, cols, *drop_, static_cast<uint64_t>(bh), q, k0);
+    }
+    const scalar_t* p = input_operand<scalar_t>(s, ws.p_in.data(), cols, n, cols);  // entries <= 1
+    blas::gemm(false, false, n, g_.hd, cols, acc_t(1), p, cols, rows.v + k0 * rows.ld, rows.ld, acc_t(0), ws.pv.data(),
+               g_.hd);
+    acc_ops.rescale_add(ws.o.data() + r0 * g_.hd, g_.hd, ws.pv.data(), g_.hd, n, g_.hd, ws.alpha.data() + r0);
+  }
+
+  const at::Tensor& qkv_;
+  const Geometry g_;
+  const MaskSummary summary_;
+  const OptionalDropout drop_;
+  scalar_t* out_;
+  acc_t* lse_;
+  const acc_t scale_;
+  const bool bf16_pack_;
+};
+
+// ---- Backward -------------------------------------------------------------------------------------
+
+// One thread's scratch, reused by every (batch, head) of its chunk.
+template <typename scalar_t>
+struct BackwardWorkspace {
+  using acc_t = at::opmath_type<scalar_t>;
+  BackwardWorkspace(int64_t T, int64_t hd, bool bf16_pack, bool dropout)
+      : p(kBwdBlockQ * kBwdBlockK),
+        dp(kBwdBlockQ * kBwdBlockK),
+        p_drop(dropout ? kBwdBlockQ * kBwdBlockK : 0),
+        p_in(kReduced<scalar_t> ? kBwdBlockQ * kBwdBlockK : 0),
+        ds_in(kReduced<scalar_t> ? kBwdBlockQ * kBwdBlockK : 0),
+        dq(T * hd),
+        dk(kBwdBlockK * hd),
+        dv(kBwdBlockK * hd),
+        pack(bf16_pack ? (hd / 2) * (kBwdBlockK + 32) : 0) {}
+  std::vector<acc_t> p;          // P (from the saved lse)
+  std::vector<acc_t> dp;         // dP, then dS
+  std::vector<acc_t> p_drop;     // with dropout: P_drop
+  std::vector<scalar_t> p_in;    // bfloat16 / half: P (or P_drop) in the input type, for P^T dO
+  std::vector<scalar_t> ds_in;   // bfloat16 / half: dS in the input type, for dS K and dS^T Q
+  std::vector<acc_t> dq;         // (T, hd) of the head
+  std::vector<acc_t> dk, dv;     // (block_k, hd) of the key block
+  std::vector<uint32_t> pack;    // bf16_scores' packed keys
+};
+
+template <typename scalar_t>
+class BackwardPass {
+ public:
+  using acc_t = at::opmath_type<scalar_t>;
+
+  BackwardPass(const at::Tensor& grad_out, const at::Tensor& qkv, const std::optional<at::Tensor>& mask,
+               const at::Tensor& out, const at::Tensor& lse, const Geometry& g, const OptionalDropout& drop,
+               const at::Tensor& grad_qkv)
+      : qkv_(qkv),
+        g_(g),
+        summary_(summarize(mask, g.B, g.T, kBwdBlockK)),
+        drop_(drop),
+        // delta[b, t, h] = sum_d dO[b, t, h, d] * O[b, t, h, d]   (O with dropout: sum_j P dP_drop, still)
+        delta_t_(delta(grad_out, out, g)),
+        delta_(delta_t_.const_data_ptr<acc_t>()),
+        lse_(lse.const_data_ptr<acc_t>()),
+        dout_(grad_out.const_data_ptr<scalar_t>()),
+        grad_(grad_qkv.data_ptr<scalar_t>()),
+        scale_(acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd))),
+        bf16_pack_(use_bf16_scores<scalar_t>(g.hd)) {}
+
+  // The parallel schedule: one (batch, head) per work item.
+  void run() const {
+    at::parallel_for(0, g_.B * g_.H, 1, [&](int64_t begin, int64_t end) {
+      BackwardWorkspace<scalar_t> ws(g_.T, g_.hd, bf16_pack_, drop_.has_value());
+      for (int64_t bh = begin; bh < end; ++bh) {
+        head(bh, ws);
+      }
+    });
+  }
+
+ private:
+  static at::Tensor delta(const at::Tensor& grad_out, const at::Tensor& out, const Geometry& g) {
+    const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
+    return (grad_out.to(acc_dtype) * out.to(acc_dtype)).view({g.B, g.T, g.H, g.hd}).sum(3).contiguous();
+  }
+
+  // The rows of grad_qkv of sequence b (ld 3 * dim).
+  scalar_t* grad_rows(int64_t b) const { return grad_ + b * g_.T * 3 * g_.dim; }
+
+  // dK and dV of keys k0..k1 of (b, h) that no query may attend (padding) are zero.
+  void zero_key_rows(int64_t b, int64_t h, int64_t k0, int64_t k1) const {
+    for (int64_t t = k0; t < k1; ++t) {
+      scalar_t* row = grad_rows(b) + t * 3 * g_.dim + h * g_.hd;
+      std::fill(row + g_.dim, row + g_.dim + g_.hd, scalar_t(0));
+      std::fill(row + 2 * g_.dim, row + 2 * g_.dim + g_.hd, scalar_t(0));
+    }
+  }
+
+  // dQ, dK, dV of one (batch, head): key blocks in order, each against the queries that see it.
+  void head(int64_t bh, BackwardWorkspace<scalar_t>& ws) const {
+    const int64_t b = bh / g_.H;
+    const int64_t h = bh % g_.H;
+    const HeadRows<scalar_t> rows(qkv_, g_, b, h);
+    const int64_t ld_grad = 3 * g_.dim;
+    const int64_t key_end = summary_.key_end[b];
+    std::fill(ws.dq.begin(), ws.dq.end(), acc_t(0));
+    zero_key_rows(b, h, key_end, g_.T);
+    for (int64_t kb = 0; kb * kBwdBlockK < key_end; ++kb) {
+      const uint8_t st = summary_.status[b * g_.nk + kb];
+      const int64_t k0 = kb * kBwdBlockK;
+      const int64_t bk = std::min(key_end, k0 + kBwdBlockK) - k0;
+      if (st == kNoneReal) {
+        zero_key_rows(b, h, k0, k0 + bk);
+        continue;
+      }
+      const bool* key_mask = (st == kMixed) ? summary_.mask + b * g_.T + k0 : nullptr;
+      std::fill(ws.dk.begin(), ws.dk.begin() + bk * g_.hd, acc_t(0));
+      std::fill(ws.dv.begin(), ws.dv.begin() + bk * g_.hd, acc_t(0));
+      for (int64_t q0 = (k0 / kBwdBlockQ) * kBwdBlockQ; q0 < g_.T; q0 += kBwdBlockQ) {
+        causal_tiles(q0, std::min(g_.T, q0 + kBwdBlockQ) - q0, k0, bk, [&](int64_t r0, int64_t r1, int64_t cols) {
+          tile(rows, b, h, q0 + r0, r1 - r0, k0, cols, key_mask, ws);
+        });
+      }
+      const auto& ops = tile::tile_ops<scalar_t>();
+      scalar_t* grad_k0 = grad_rows(b) + k0 * ld_grad + h * g_.hd;
+      ops.store(ws.dk.data(), g_.hd, bk, g_.hd, grad_k0 + g_.dim, ld_grad);
+      ops.store(ws.dv.data(), g_.hd, bk, g_.hd, grad_k0 + 2 * g_.dim, ld_grad);
+    }
+    tile::tile_ops<scalar_t>().store(ws.dq.data(), g_.hd, g_.T, g_.hd, grad_rows(b) + h * g_.hd, ld_grad);
+  }
+
+  // Queries q..q+n against keys k0..k0+cols: P, dP, then dV += P_drop^T dO, dS = scale * P (dP_drop - delta),
+  // dQ += dS K, dK += dS^T Q. Products in the input type (P and dS rounded to it) with acc_t sums.
+  void tile(const HeadRows<scalar_t>& rows, int64_t b, int64_t h, int64_t q, int64_t n, int64_t k0, int64_t cols,
+            const bool* key_mask, BackwardWorkspace<scalar_t>& ws) const {
+    const auto& acc_ops = tile::tile_ops<acc_t>();
+    const int64_t bh = b * g_.H + h;
+    const int64_t hd = g_.hd;
+    uint32_t* pack = bf16_pack_ ? ws.pack.data() : nullptr;
+    const scalar_t* q_rows = rows.q + q * rows.ld;
+    const scalar_t* k_rows = rows.k + k0 * rows.ld;
+    const scalar_t* dout_rows = dout_ + (b * g_.T + q) * g_.dim + h * hd;  // ld dim
+    acc_t* p = ws.p.data();
+    acc_t* dp = ws.dp.data();
+    // P = exp(scale * q k^T - lse)
+    score_product<scalar_t>(q_rows, rows.ld, k_rows, rows.ld, n, cols, hd, p, cols, pack);
+    acc_ops.probabilities(p, cols, n, cols, scale_, causal_offset(q, k0, cols), key_mask, lse_ + bh * g_.T + q);
+    // dP = dO v^T
+    score_product<scalar_t>(dout_rows, g_.dim, rows.v + k0 * rows.ld, rows.ld, n, cols, hd, dp, cols, pack);
+    const acc_t* p_drop = p;
+    if (drop_.has_value()) {  // P_drop = P * keep / (1 - p) and dP_drop = dP * keep / (1 - p)
+      std::copy(p, p + n * cols, ws.p_drop.data());
+      acc_ops.dropout(ws.p_drop.data(), dp, cols, n, cols, *drop_, static_cast<uint64_t>(bh), q, k0);
+      p_drop = ws.p_drop.data();
+    }
+    // dV += P_drop^T dO
+    blas::gemm(true, false, cols, hd, n, acc_t(1), input_operand<scalar_t>(p_drop, ws.p_in.data(), cols, n, cols), cols,
+               dout_rows, g_.dim, acc_t(1), ws.dv.data(), hd);
+    // dS = scale * P (dP_drop - delta), in the input type for the products that follow
+    acc_ops.score_grad(dp, p, cols, n, cols, scale_, delta_ + (b * g_.T + q) * g_.H + h, g_.H);
+    const scalar_t* ds = input_operand<scalar_t>(dp, ws.ds_in.data(), cols, n, cols);
+    blas::gemm(false, false, n, hd, cols, acc_t(1), ds, cols, k_rows, rows.ld, acc_t(1), ws.dq.data() + q * hd,
+               hd);                                                                                   // dQ += dS K
+    blas::gemm(true, false, cols, hd, n, acc_t(1), ds, cols, q_rows, rows.ld, acc_t(1), ws.dk.data(), hd);  // dK += dS^T Q
+  }
+
+  const at::Tensor& qkv_;
+  const Geometry g_;
+  const MaskSummary summary_;
+  const OptionalDropout drop_;
+  const at::Tensor delta_t_;  // (B, T, H) acc_t, owns delta_
+  const acc_t* delta_;
+  const acc_t* lse_;
+  const scalar_t* dout_;  // (B, T, dim)
+  scalar_t* grad_;        // (B, T, 3 * dim)
+  const acc_t scale_;
+  const bool bf16_pack_;
+};
 
 void check_cpu_inputs(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, int64_t n_heads) {
   check_qkv(qkv, n_heads);
@@ -382,7 +473,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& qkv_i
     return {out, lse};
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "causal_attention_forward", [&] {
-    forward_impl<scalar_t>(qkv, mask, g, drop, out, lse);
+    ForwardPass<scalar_t>(qkv, mask, g, drop, out, lse).run();
   });
   return {out, lse};
 }
@@ -407,7 +498,7 @@ at::Tensor attention_backward_cpu(const at::Tensor& grad_out_in, const at::Tenso
     return grad_qkv;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "causal_attention_backward", [&] {
-    backward_impl<scalar_t>(grad_out, qkv, mask, out.contiguous(), lse.contiguous(), g, drop, grad_qkv);
+    BackwardPass<scalar_t>(grad_out, qkv, mask, out.contiguous(), lse.contiguous(), g, drop, grad_qkv).run();
   });
   return grad_qkv;
 }
