@@ -12,16 +12,17 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/LegacyTypeDispatch.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "causal_attention/attention.h"
-#include "tensor_tiles.h"
+#include "blas.h"
 #include "tile_ops.h"
+#include "tile_products.h"
 
 namespace causal_attention::kernels {
 namespace {
@@ -91,123 +92,172 @@ void kv_cache_write_cpu(const at::Tensor& qkv_in, const at::Tensor& k_cache, con
 
 namespace {
 
+// One thread's scratch, reused by every work item of its chunk.
 template <typename scalar_t>
-void decode_impl(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* start,
-                 const int64_t* end, int64_t n_heads, const at::Tensor& out) {
+struct DecodeWorkspace {
   using acc_t = at::opmath_type<scalar_t>;
-  const auto& ops = tile::tile_ops<scalar_t>();   // streaming decode; conversions to the input type
-  const auto& acc_ops = tile::tile_ops<acc_t>();  // the tiles of the GEMM path, in acc_t
-  const int64_t B = qkv.size(0), t = qkv.size(1), dim = qkv.size(2) / 3, H = n_heads, hd = dim / H;
-  const int64_t max_len = k_cache.size(2);
-  const acc_t scale = acc_t(1) / std::sqrt(static_cast<acc_t>(hd));
-  const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
+  explicit DecodeWorkspace(int64_t hd)
+      : s(kDecodeRows * kDecodeChunk),
+        p_in(kReduced<scalar_t> ? kDecodeRows * kDecodeChunk : 0),
+        pv(kDecodeRows * hd),
+        q(kDecodeFewRows * hd),
+        alpha(kDecodeRows),
+        buf(kDecodeChunk) {}
+  std::vector<acc_t> s;         // scores, then P
+  std::vector<scalar_t> p_in;   // P in the input type (bfloat16 / half)
+  std::vector<acc_t> pv;        // P V of one tile
+  std::vector<acc_t> q;         // the few queries, widened to acc_t
+  std::vector<acc_t> alpha, buf;  // rescale factors, row scratch
+};
 
-  // A few new queries of a small batch: split each context into parts, from the shapes alone (so the
-  // result and the scratch size never depend on the thread count). Part p of sequence b covers
-  // whole chunks of its own context.
-  const int64_t n_split = t <= kDecodeFewRows ? std::clamp<int64_t>(ceil_div(kDecodeItems, B * H), 1,
-                                                                     ceil_div(max_len, kDecodeChunk))
-                                              : 1;
-  const int64_t n_items = B * H * n_split;
-  // Partial softmax states of every split: output (t, hd), max and sum (t).
-  const at::Tensor partial = at::empty({n_items, t * (hd + 2)}, qkv.options().dtype(acc_dtype));
-  acc_t* partial_ptr = partial.data_ptr<acc_t>();
+template <typename scalar_t>
+class DecodePass {
+ public:
+  using acc_t = at::opmath_type<scalar_t>;
 
-  at::parallel_for(0, n_items, 1, [&](int64_t item_begin, int64_t item_end) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const at::Tensor scores = at::empty({kDecodeRows * kDecodeChunk}, qkv.options().dtype(acc_dtype));
-    const at::Tensor pv = at::empty({kDecodeRows * hd}, qkv.options().dtype(acc_dtype));
-    const at::Tensor scratch =
-        at::empty({kDecodeRows + kDecodeChunk + kDecodeFewRows * hd}, qkv.options().dtype(acc_dtype));
-    acc_t* alpha = scratch.data_ptr<acc_t>();
-    acc_t* buf = alpha + kDecodeRows;
-    acc_t* q_acc = buf + kDecodeChunk;  // the few queries, widened to acc_t
-    for (int64_t item = item_begin; item < item_end; ++item) {
-      const int64_t bh = item / n_split, split = item % n_split;
-      const int64_t b = bh / H, h = bh % H;
-      acc_t* o_acc = partial_ptr + item * t * (hd + 2);
-      acc_t* m = o_acc + t * hd;
-      acc_t* l = m + t;
-      std::fill(o_acc, o_acc + t * hd, acc_t(0));
-      std::fill(m, m + t, -std::numeric_limits<acc_t>::infinity());
-      std::fill(l, l + t, acc_t(0));
-      // This split's share of the context, in whole chunks.
-      const int64_t chunks = (end[b] + kDecodeChunk - 1) / kDecodeChunk;
-      const int64_t ks = std::min(end[b], (chunks * split / n_split) * kDecodeChunk);
-      const int64_t ke = std::min(end[b], (chunks * (split + 1) / n_split) * kDecodeChunk);
-      const auto keys = k_cache.select(0, b).select(0, h);    // (max_len, hd)
-      const auto values = v_cache.select(0, b).select(0, h);  // (max_len, hd)
-      const auto queries = qkv.select(0, b).narrow(1, h * hd, hd);  // (t, hd)
-      const scalar_t* keys_ptr = keys.data_ptr<scalar_t>();
-      const scalar_t* values_ptr = values.data_ptr<scalar_t>();
-      if (t <= kDecodeFewRows) {
-        // A few queries: stream each cached key and value row once per query (memory bound).
-        const scalar_t* q_ptr = qkv.data_ptr<scalar_t>() + b * qkv.stride(0) + h * hd;
-        for (int64_t i = 0; i < t; ++i) {
-          for (int64_t d = 0; d < hd; ++d) {
-            q_acc[i * hd + d] = static_cast<acc_t>(q_ptr[i * qkv.stride(1) + d]);
-          }
-        }
-        for (int64_t k0 = ks; k0 < std::min(ke, start[b] + t); k0 += kDecodeChunk) {
-          const int64_t cols = std::min(std::min(ke, start[b] + t), k0 + kDecodeChunk) - k0;
-          ops.decode_chunk(q_acc, t, keys_ptr + k0 * hd, values_ptr + k0 * hd, hd, cols, hd, scale, start[b] - k0, m,
-                           l, o_acc, buf);
-        }
-        continue;
+  DecodePass(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* start,
+             const int64_t* end, int64_t n_heads)
+      : B_(qkv.size(0)),
+        t_(qkv.size(1)),
+        dim_(qkv.size(2) / 3),
+        H_(n_heads),
+        hd_(dim_ / n_heads),
+        max_len_(k_cache.size(2)),
+        ld_q_(qkv.stride(1)),
+        q_(qkv.const_data_ptr<scalar_t>()),
+        batch_stride_(qkv.stride(0)),
+        k_cache_(k_cache.const_data_ptr<scalar_t>()),
+        v_cache_(v_cache.const_data_ptr<scalar_t>()),
+        start_(start),
+        end_(end),
+        scale_(acc_t(1) / std::sqrt(static_cast<acc_t>(hd_))),
+        // A few new queries of a small batch: split each context into parts, from the shapes alone
+        // (so the result and the scratch size never depend on the thread count).
+        n_split_(t_ <= kDecodeFewRows ? std::clamp<int64_t>(ceil_div(kDecodeItems, B_ * H_), 1,
+                                                             ceil_div(max_len_, kDecodeChunk))
+                                      : 1),
+        // Partial softmax states of every split: output (t, hd), max and sum (t).
+        partial_(static_cast<size_t>(B_ * H_ * n_split_ * t_ * (hd_ + 2))) {}
+
+  void run(const at::Tensor& out) {
+    at::parallel_for(0, B_ * H_ * n_split_, 1, [&](int64_t begin, int64_t end) {
+      DecodeWorkspace<scalar_t> ws(hd_);
+      for (int64_t item = begin; item < end; ++item) {
+        split(item, ws);
       }
-      // More queries: tiles of GEMMs (as in the flash forward), every product in acc_t.
-      const at::Tensor queries_acc = widened(queries);  // (t, hd)
-      for (int64_t r0 = 0; r0 < t; r0 += kDecodeRows) {
-        const int64_t rows = std::min(t, r0 + kDecodeRows) - r0;
-        const int64_t visible_end = std::min(ke, start[b] + r0 + rows);  // causal: the row block's last query
-        for (int64_t k0 = ks; k0 < visible_end; k0 += kDecodeChunk) {
-          const int64_t cols = std::min(visible_end, k0 + kDecodeChunk) - k0;
-          at::Tensor s = tile(scores, rows, cols);
-          at::mm_out(s, queries_acc.narrow(0, r0, rows), widened(keys.narrow(0, k0, cols)).t());
-          acc_ops.softmax_tile(s.data_ptr<acc_t>(), cols, rows, cols, scale, start[b] + r0 - k0, nullptr, m + r0,
-                               l + r0, alpha, buf);
-          ops.round_to_input(s.data_ptr<acc_t>(), cols, rows, cols);  // P as an input-type operand
-          at::Tensor pv_tile = tile(pv, rows, hd);
-          at::mm_out(pv_tile, s, widened(values.narrow(0, k0, cols)));
-          acc_ops.rescale_add(o_acc + r0 * hd, hd, pv_tile.data_ptr<acc_t>(), hd, rows, hd, alpha);
-        }
+    });
+    merge(out.data_ptr<scalar_t>());
+  }
+
+ private:
+  acc_t* state(int64_t item) { return partial_.data() + item * t_ * (hd_ + 2); }
+
+  // Work item (batch, head, split): the split's share of the context, in whole chunks, into its
+  // partial softmax state.
+  void split(int64_t item, DecodeWorkspace<scalar_t>& ws) {
+    const int64_t bh = item / n_split_, sp = item % n_split_;
+    const int64_t b = bh / H_, h = bh % H_;
+    acc_t* o = state(item);
+    acc_t* m = o + t_ * hd_;
+    acc_t* l = m + t_;
+    std::fill(o, o + t_ * hd_, acc_t(0));
+    std::fill(m, m + t_, -std::numeric_limits<acc_t>::infinity());
+    std::fill(l, l + t_, acc_t(0));
+    const int64_t chunks = ceil_div(end_[b], kDecodeChunk);
+    const int64_t ks = std::min(end_[b], (chunks * sp / n_split_) * kDecodeChunk);
+    const int64_t ke = std::min(end_[b], (chunks * (sp + 1) / n_split_) * kDecodeChunk);
+    const scalar_t* q = q_ + b * batch_stride_ + h * hd_;  // (t, hd), ld ld_q_
+    const scalar_t* keys = k_cache_ + bh * max_len_ * hd_;   // (max_len, hd)
+    const scalar_t* values = v_cache_ + bh * max_len_ * hd_;
+    if (t_ <= kDecodeFewRows) {
+      few_rows(b, q, keys, values, ks, ke, o, m, l, ws);
+    } else {
+      tiles(b, q, keys, values, ks, ke, o, m, l, ws);
+    }
+  }
+
+  // A few queries: stream each cached key and value row once per query (memory bound).
+  void few_rows(int64_t b, const scalar_t* q, const scalar_t* keys, const scalar_t* values, int64_t ks, int64_t ke,
+                acc_t* o, acc_t* m, acc_t* l, DecodeWorkspace<scalar_t>& ws) const {
+    for (int64_t i = 0; i < t_; ++i) {
+      for (int64_t d = 0; d < hd_; ++d) {
+        ws.q[i * hd_ + d] = static_cast<acc_t>(q[i * ld_q_ + d]);
       }
     }
-  });
+    const int64_t visible_end = std::min(ke, start_[b] + t_);
+    for (int64_t k0 = ks; k0 < visible_end; k0 += kDecodeChunk) {
+      const int64_t cols = std::min(visible_end, k0 + kDecodeChunk) - k0;
+      tile::tile_ops<scalar_t>().decode_chunk(ws.q.data(), t_, keys + k0 * hd_, values + k0 * hd_, hd_, cols, hd_,
+                                              scale_, start_[b] - k0, m, l, o, ws.buf.data());
+    }
+  }
 
-  // Merge the splits of each (batch, head): out = sum_s O_s e^(m_s - M) / sum_s l_s e^(m_s - M).
-  scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end_bh) {
-    std::vector<acc_t> merged(hd);
-    for (int64_t bh = begin; bh < end_bh; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      for (int64_t i = 0; i < t; ++i) {
-        acc_t top = -std::numeric_limits<acc_t>::infinity();
-        for (int64_t sp = 0; sp < n_split; ++sp) {
-          top = std::max(top, partial_ptr[(bh * n_split + sp) * t * (hd + 2) + t * hd + i]);
-        }
-        scalar_t* o = out_ptr + (b * t + i) * dim + h * hd;
-        if (top == -std::numeric_limits<acc_t>::infinity()) {  // no visible key: output 0
-          std::fill(o, o + hd, scalar_t(0));
-          continue;
-        }
-        std::fill(merged.begin(), merged.end(), acc_t(0));
-        acc_t total = 0;
-        for (int64_t sp = 0; sp < n_split; ++sp) {
-          const acc_t* base = partial_ptr + (bh * n_split + sp) * t * (hd + 2);
-          const acc_t w = std::exp(base[t * hd + i] - top);  // 0 for a split that saw no key
-          total += base[t * hd + t + i] * w;
-          for (int64_t d = 0; d < hd; ++d) {
-            merged[d] += base[i * hd + d] * w;
-          }
-        }
-        for (int64_t d = 0; d < hd; ++d) {
-          o[d] = static_cast<scalar_t>(merged[d] / total);
-        }
+  // More queries: tiles of GEMMs as in the flash forward (the online softmax over key chunks).
+  void tiles(int64_t b, const scalar_t* q, const scalar_t* keys, const scalar_t* values, int64_t ks, int64_t ke,
+             acc_t* o, acc_t* m, acc_t* l, DecodeWorkspace<scalar_t>& ws) const {
+    const auto& acc_ops = tile::tile_ops<acc_t>();
+    acc_t* s = ws.s.data();
+    for (int64_t r0 = 0; r0 < t_; r0 += kDecodeRows) {
+      const int64_t rows = std::min(t_, r0 + kDecodeRows) - r0;
+      const int64_t visible_end = std::min(ke, start_[b] + r0 + rows);  // causal: the row block's last query
+      for (int64_t k0 = ks; k0 < visible_end; k0 += kDecodeChunk) {
+        const int64_t cols = std::min(visible_end, k0 + kDecodeChunk) - k0;
+        score_product<scalar_t>(q + r0 * ld_q_, ld_q_, keys + k0 * hd_, hd_, rows, cols, hd_, s, cols, nullptr);
+        acc_ops.softmax_tile(s, cols, rows, cols, scale_, start_[b] + r0 - k0, nullptr, m + r0, l + r0,
+                             ws.alpha.data(), ws.buf.data());
+        const scalar_t* p = input_operand<scalar_t>(s, ws.p_in.data(), cols, rows, cols);  // entries <= 1
+        blas::gemm(false, false, rows, hd_, cols, acc_t(1), p, cols, values + k0 * hd_, hd_, acc_t(0), ws.pv.data(),
+                   hd_);
+        acc_ops.rescale_add(o + r0 * hd_, hd_, ws.pv.data(), hd_, rows, hd_, ws.alpha.data());
       }
     }
-  });
-}
+  }
+
+  // The splits of each (batch, head) merged: out = sum_s O_s e^(m_s - M) / sum_s l_s e^(m_s - M).
+  void merge(scalar_t* out) {
+    at::parallel_for(0, B_ * H_, 1, [&](int64_t begin, int64_t end_bh) {
+      std::vector<acc_t> merged(hd_);
+      for (int64_t bh = begin; bh < end_bh; ++bh) {
+        const int64_t b = bh / H_, h = bh % H_;
+        for (int64_t i = 0; i < t_; ++i) {
+          acc_t top = -std::numeric_limits<acc_t>::infinity();
+          for (int64_t sp = 0; sp < n_split_; ++sp) {
+            top = std::max(top, state(bh * n_split_ + sp)[t_ * hd_ + i]);
+          }
+          scalar_t* row = out + (b * t_ + i) * dim_ + h * hd_;
+          if (top == -std::numeric_limits<acc_t>::infinity()) {  // no visible key: output 0
+            std::fill(row, row + hd_, scalar_t(0));
+            continue;
+          }
+          std::fill(merged.begin(), merged.end(), acc_t(0));
+          acc_t total = 0;
+          for (int64_t sp = 0; sp < n_split_; ++sp) {
+            const acc_t* base = state(bh * n_split_ + sp);
+            const acc_t w = std::exp(base[t_ * hd_ + i] - top);  // 0 for a split that saw no key
+            total += base[t_ * hd_ + t_ + i] * w;
+            for (int64_t d = 0; d < hd_; ++d) {
+              merged[d] += base[i * hd_ + d] * w;
+            }
+          }
+          for (int64_t d = 0; d < hd_; ++d) {
+            row[d] = static_cast<scalar_t>(merged[d] / total);
+          }
+        }
+      }
+    });
+  }
+
+  const int64_t B_, t_, dim_, H_, hd_, max_len_, ld_q_;
+  const scalar_t* q_;  // qkv: row t of sequence b at q_ + b * batch_stride_ + t * ld_q_
+  const int64_t batch_stride_;
+  const scalar_t* k_cache_;  // (B, H, max_len, hd)
+  const scalar_t* v_cache_;
+  const int64_t* start_;
+  const int64_t* end_;
+  const acc_t scale_;
+  const int64_t n_split_;
+  std::vector<acc_t> partial_;
+};
 
 }  // namespace
 
@@ -226,7 +276,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& qkv_in, const at::Tensor& k_ca
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "decode_attention", [&] {
-    decode_impl<scalar_t>(qkv, k_cache, v_cache, s, e, n_heads, out);
+    DecodePass<scalar_t>(qkv, k_cache, v_cache, s, e, n_heads).run(out);
   });
   return out;
 }

@@ -16,7 +16,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/LegacyTypeDispatch.h>
 
 #include <algorithm>
 #include <cmath>
@@ -26,8 +25,8 @@
 #include "blas.h"
 #include "causal_attention/attention.h"
 #include "philox.h"
-#include "tensor_tiles.h"
 #include "tile_ops.h"
+#include "tile_products.h"
 
 namespace causal_attention::kernels {
 namespace {
@@ -64,45 +63,6 @@ MaskSummary summarize(const std::optional<at::Tensor>& mask, int64_t B, int64_t 
   const auto positions = at::arange(1, T + 1, at::kLong).unsqueeze(0);           // (1, T)
   const auto key_end = (positions * mask->to(at::kLong)).amax(1);                // (B,)
   return {status.to(at::kByte).contiguous(), key_end.contiguous(), mask};
-}
-
-// bfloat16 / half inputs: every tile product is computed and accumulated in float32.
-template <typename scalar_t>
-constexpr bool kReduced = !std::is_same_v<scalar_t, at::opmath_type<scalar_t>>;
-
-// Whether the AVX512-BF16 score micro-kernel runs (bfloat16 on a CPU that has it, even head_dim).
-template <typename scalar_t>
-bool use_bf16_scores(int64_t hd) {
-  return tile::tile_ops<scalar_t>().bf16_scores != nullptr && hd % 2 == 0;
-}
-
-// ---- Tile products: raw pointers, one BLAS call each (blas.h) ------------------------------------
-
-// s (rows x cols, acc_t, ld_s) = a . b^T, a: rows x hd (ld_a), b: cols x hd (ld_b), both in the input
-// type; bfloat16 on a CPU with AVX512-BF16 by the vdpbf16ps micro-kernel (pack: its scratch).
-template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void score_product(const scalar_t* a, int64_t ld_a, const scalar_t* b, int64_t ld_b, int64_t rows, int64_t cols,
-                   int64_t hd, acc_t* s, int64_t ld_s, uint32_t* pack) {
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (pack != nullptr) {
-      tile::tile_ops<scalar_t>().bf16_scores(a, ld_a, b, ld_b, rows, cols, hd, s, ld_s, pack);
-      return;
-    }
-  }
-  blas::gemm(false, true, rows, cols, hd, acc_t(1), a, ld_a, b, ld_b, acc_t(0), s, ld_s);
-}
-
-// x (rows x cols, acc_t, ld) as the operand of a product in the input type: x itself for float and
-// double; for bfloat16 / half, x rounded into buf (the same layout).
-template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-const scalar_t* input_operand(const acc_t* x, [[maybe_unused]] scalar_t* buf, [[maybe_unused]] int64_t ld,
-                              [[maybe_unused]] int64_t rows, [[maybe_unused]] int64_t cols) {
-  if constexpr (kReduced<scalar_t>) {
-    tile::tile_ops<scalar_t>().store(x, ld, rows, cols, buf, ld);
-    return buf;
-  } else {
-    return x;
-  }
 }
 
 // ---- Where the operands of one (batch, head) are --------------------------------------------------
