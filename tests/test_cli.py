@@ -69,6 +69,9 @@ def test_bench_at_tiny_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     report = json.loads(out.read_text())
     assert (report["B"], report["H"], report["hd"], report["threads"]) == (B, H, hd, 1)
     assert set(report["mm_gflops"]) == {"float32", "bfloat16"} and all(map(_positive_finite, report["mm_gflops"].values()))
+    # The bfloat16 ceiling is never below sgemm's (a bf16 product is an f32 product of exact widenings).
+    assert report["mm_gflops"]["bfloat16"] >= report["mm_gflops"]["float32"]
+    assert report["bf16_dot_products"] in (True, False, None)
     assert _positive_finite(report["copy_gbs"])
 
     # Kernel and module rows: every (dtype, T, mask) and implementation, times and ratios that add up.
@@ -127,6 +130,14 @@ def test_bench_switches_leave_out_their_rows(tmp_path: Path) -> None:
     assert {r["dtype"] for r in report["rows"]} == {"float32"} and set(report["mm_gflops"]) == {"float32"}
     assert all(r["fwd_bwd_ms"] is None and r["fwd_bwd_speedup"] is None for r in report["rows"])
     assert report["memory"] == [] and report["decode"] == []
+    assert {r["level"] for r in report["rows"]} == {"kernel", "module"}
+
+    cli.main(["--threads", "1", "bench", "--T", "8", "--B", "1", "--H", "1", "--hd", "4", "--repeats", "1",
+              "--no-bf16", "--no-memory", "--no-backward", "--no-decode", "--no-flex", "--no-module", "--json", str(out),
+              "--plot", str(tmp_path / "p.png")])
+    report = json.loads(out.read_text())
+    assert {r["level"] for r in report["rows"]} == {"kernel"} and {r["impl"] for r in report["rows"]} == {
+        "ours", "sdpa(bool mask)", "sdpa(is_causal)", "reference"}
 
 
 def test_bench_flex_rows(tmp_path: Path) -> None:
@@ -173,7 +184,7 @@ def test_bench_targets_from_rows() -> None:
                     thread_scaling={"T": 2048, "threads": 2, "speedup": 1.9})
     got = {t["target"]: (t["value"], t["met"]) for t in targets(report)}
     assert got == {
-        "bf16 forward, of same-run bf16 mm, T=2048": (0.3, False),
+        "bf16 forward, of same-run bf16 GEMM ceiling, T=2048": (0.3, False),
         **{f"bf16 fwd+bwd vs f32 fwd+bwd, T={T}": (2.0, True) for T in (1024, 2048, 4096)},
         **{f"f32 padded forward vs SDPA(bool mask), T={T}": (2.5, True) for T in (1024, 2048)},
         **{f"f32 causal fwd+bwd vs SDPA(is_causal), T={T}": (1.2, False) for T in (2048, 4096)},

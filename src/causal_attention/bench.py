@@ -11,7 +11,10 @@ actually computes, so GFLOP/s compare like with like):
 - attention backward: 2.5x the forward (five T x T products instead of two);
 - the module adds its projections, 8*B*T*dim^2 forward (qkv: 6*B*T*dim^2, proj: 2*B*T*dim^2);
 - the ceiling is a large n x n torch.mm (2*n^3 FLOPs; n up to 2048, see mm_ceiling) at the same
-  dtype, timed in the same run; a row's "of mm" is its forward GFLOP/s over that;
+  dtype, timed in the same run; a row's "of mm" is its forward GFLOP/s over that. For bfloat16 it is
+  the faster of torch's bfloat16 mm and its float32 mm: a bfloat16 product is exactly a float32
+  product of the widened operands, so the hardware's bfloat16 ceiling is never below sgemm's (on a
+  CPU without bfloat16 dot products, torch's bfloat16 mm runs far below it);
 - decode moves bytes, not FLOPs: a step reads the K and V of its context once, 2*B*H*ctx*hd
   elements; its GB/s is over a copy of as many float32 bytes (read + write) timed with it.
 
@@ -80,6 +83,10 @@ class Report:
     mm_gflops: dict[str, float]  # per dtype
     mm_n: dict[str, int]  # the size of the product that measured it
     copy_gbs: float
+    # dtype -> what measured its ceiling when not its own torch.mm, and what its own measured
+    mm_source: dict[str, str] = field(default_factory=dict)
+    # Whether the CPU has bfloat16 dot-product instructions (AVX512-BF16 or AMX); None: unknown.
+    bf16_dot_products: bool | None = None
     rows: list[Row] = field(default_factory=list)
     memory: list[dict[str, float]] = field(default_factory=list)
     decode: list[dict[str, float | str]] = field(default_factory=list)
@@ -103,6 +110,17 @@ def mm_ceiling(dtype: torch.dtype, repeats: int = 5, *, max_n: int = 2048, enoug
         n *= 2
     seconds = interleaved_medians({"mm": lambda: torch.mm(a, b)}, repeats=repeats)["mm"]
     return 2 * n**3 / seconds / 1e9, n
+
+
+def bf16_dot_products() -> bool | None:
+    """Whether this CPU has bfloat16 dot-product instructions (AVX512-BF16 or AMX-BF16), from the
+    kernel's CPU flags (Linux); None where they cannot be read. Without them a bfloat16 product runs
+    at float32's rate at best (widen, then float32 FMAs)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return None
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def copy_ceiling(repeats: int = 5) -> float:
@@ -310,15 +328,22 @@ def _rows(level: str, dtype: torch.dtype, T: int, mask_name: str, fwd: dict[str,
 def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repeats: int = 5,
               dtypes: tuple[torch.dtype, ...] = (torch.float32,), memory_lengths: tuple[int, ...] = (4096, 8192),
               backward: bool = True, decode_shape: tuple[int, int, int, int] | None = (8, 2048, 768, 12),
-              decode_dtypes: tuple[torch.dtype, ...] = DECODE_DTYPES, flex: bool = True) -> Report:
-    """The kernel and module rows for every dtype and T (causal and padded; with flex, compiled
-    FlexAttention among the kernels), peak memory at memory_lengths, and the generation rows at
-    decode_shape = (B, ctx, dim, H) unless None."""
+              decode_dtypes: tuple[torch.dtype, ...] = DECODE_DTYPES, flex: bool = True,
+              module: bool = True) -> Report:
+    """The kernel rows, and with module the module rows, for every dtype and T (causal and padded;
+    with flex, compiled FlexAttention among the kernels), peak memory at memory_lengths, and the
+    generation rows at decode_shape = (B, ctx, dim, H) unless None."""
     ceilings = {_name(dt): mm_ceiling(dt) for dt in dtypes}
+    sources = {}
+    if "bfloat16" in ceilings:  # never below sgemm's: see the module docstring
+        f32 = ceilings.get("float32") or mm_ceiling(torch.float32)
+        if f32[0] > ceilings["bfloat16"][0]:
+            sources["bfloat16"] = f"float32 mm; torch's bfloat16 mm: {ceilings['bfloat16'][0]:.0f} GFLOP/s"
+            ceilings["bfloat16"] = f32
     report = Report(B=B, H=H, hd=hd, threads=torch.get_num_threads(),
                     capability=str(torch.ops.causal_attention.cpu_capability()),
                     mm_gflops={k: v[0] for k, v in ceilings.items()}, mm_n={k: v[1] for k, v in ceilings.items()},
-                    copy_gbs=copy_ceiling())
+                    copy_gbs=copy_ceiling(), mm_source=sources, bf16_dot_products=bf16_dot_products())
     report.skipped.append(f"reference and nn.MultiheadAttention above T={MATERIALISING_MAX_T}: they materialise "
                           "B*H*T*T scores (6+ GB with their backward at T=4096)")
     dim = H * hd
@@ -339,6 +364,9 @@ def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repe
             fb = _timed(trainable, qkv, max(3, repeats // 2), backward=True) if backward else None
             mm_gflops = report.mm_gflops[_name(dtype)]
             report.rows += _rows("kernel", dtype, T, mask_name, fwd, fb, attn_flops, mm_gflops, baseline)
+            if not module:
+                progress.advance(task)
+                continue
             x = torch.randn(B, T, dim, dtype=dtype)
             mimpls = _module_impls(T, dim, H, mask, dtype)
             mbase = "nn.MultiheadAttention" if "nn.MultiheadAttention" in mimpls else "ours"
@@ -399,18 +427,21 @@ def targets(report: Report) -> list[dict[str, object]]:
 
     out: list[dict[str, object]] = []
 
-    def add(what: str, value: float | None, target: float, unit: str) -> None:
+    def add(what: str, value: float | None, target: float, unit: str, note: str = "") -> None:
         if value is not None:
-            out.append({"target": what, "value": value, "goal": target, "unit": unit, "met": value >= target})
+            out.append({"target": what, "value": value, "goal": target, "unit": unit, "met": value >= target,
+                        "note": note})
 
     ours = lambda dt, T, m: row("kernel", dt, T, m, "ours")  # noqa: E731
     for T in (2048,):
         r = ours("bfloat16", T, "padded")
-        add(f"bf16 forward, of same-run bf16 mm, T={T}", r and r.fwd_ceiling_fraction, 0.55, "fraction")
+        add(f"bf16 forward, of same-run bf16 GEMM ceiling, T={T}", r and r.fwd_ceiling_fraction, 0.55, "fraction")
     for T in sorted({r.T for r in report.rows}):
         f32, bf16 = ours("float32", T, "padded"), ours("bfloat16", T, "padded")
         if f32 and bf16 and f32.fwd_bwd_ms and bf16.fwd_bwd_ms and T in (1024, 2048, 4096):
-            add(f"bf16 fwd+bwd vs f32 fwd+bwd, T={T}", f32.fwd_bwd_ms / bf16.fwd_bwd_ms, 1.8, "x")
+            add(f"bf16 fwd+bwd vs f32 fwd+bwd, T={T}", f32.fwd_bwd_ms / bf16.fwd_bwd_ms, 1.8, "x",
+                "" if report.bf16_dot_products is not False else
+                "this CPU has no bf16 dot products: bf16 products run at f32's rate (ceiling ~1x)")
     for T in (1024, 2048):
         r = ours("float32", T, "padded")
         add(f"f32 padded forward vs SDPA(bool mask), T={T}", r and r.fwd_speedup, 2.3, "x")
@@ -472,7 +503,9 @@ def print_report(report: Report, console: Console | None = None) -> None:
     console = console or Console(width=max(Console().width, 160))
     console.print(f"B={report.B} H={report.H} head_dim={report.hd}, {report.threads} threads, kernel ISA "
                   f"{report.capability}; ceiling: torch.mm "
-                  + ", ".join(f"{dt} {v:.0f} GFLOP/s (n={report.mm_n[dt]})" for dt, v in report.mm_gflops.items())
+                  + ", ".join(f"{dt} {v:.0f} GFLOP/s (n={report.mm_n[dt]}"
+                              + (f"; {report.mm_source[dt]})" if dt in report.mm_source else ")")
+                              for dt, v in report.mm_gflops.items())
                   + f"; copy {report.copy_gbs:.1f} GB/s")
     table = Table(title="causal_attention bench (medians of interleaved runs; x = baseline time / time)")
     for col in ("level", "dtype", "T", "mask", "impl", "fwd ms", "fwd x", "fwd+bwd ms", "fwd+bwd x", "fwd GFLOP/s",
@@ -510,11 +543,12 @@ def print_report(report: Report, console: Console | None = None) -> None:
         console.print(dec)
     if report.targets:
         tg = Table(title="performance targets (padded: lengths uniform in [T/2, T])")
-        for col in ("target", "value", "goal", "met"):
-            tg.add_column(col, justify="left" if col == "target" else "right")
+        for col in ("target", "value", "goal", "met", "note"):
+            tg.add_column(col, justify="left" if col in ("target", "note") else "right")
         for t in report.targets:
             fmt = (lambda v: f"{100 * v:.0f}%") if t["unit"] == "fraction" else (lambda v: f"{v:.2f}x")
-            tg.add_row(str(t["target"]), fmt(float(t["value"])), fmt(float(t["goal"])), "yes" if t["met"] else "NO")
+            tg.add_row(str(t["target"]), fmt(float(t["value"])), fmt(float(t["goal"])), "yes" if t["met"] else "NO",
+                       str(t.get("note", "")))
         console.print(tg)
     for s in report.skipped:
         console.print(f"skipped: {s}")
@@ -556,13 +590,14 @@ def plot_report(report: Report, path: Path) -> None:
 
 def main(*, lengths: list[int], repeats: int, json_path: Path | None, plot_path: Path | None, bf16: bool,
          memory_lengths: list[int], backward: bool, decode_shape: tuple[int, int, int, int] | None,
-         B: int = 4, H: int = 12, hd: int = 64, flex: bool = True) -> Report:
+         B: int = 4, H: int = 12, hd: int = 64, flex: bool = True, module: bool = True) -> Report:
     """Runs the bench (bf16: also the bfloat16 kernel and module rows), prints the tables, writes
     the report as JSON and the time-vs-T plot as PNG where paths are given. The generation rows,
     unless decode_shape is None, are always in float32, bfloat16 and float16."""
     dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
     report = run_bench(lengths=lengths, B=B, H=H, hd=hd, repeats=repeats, dtypes=dtypes,
-                       memory_lengths=tuple(memory_lengths), backward=backward, decode_shape=decode_shape, flex=flex)
+                       memory_lengths=tuple(memory_lengths), backward=backward, decode_shape=decode_shape, flex=flex,
+                       module=module)
     print_report(report)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("--no-decode", dest="decode", action="store_false", help="skip the generation rows")
     bench.add_argument("--no-flex", dest="flex", action="store_false",
                        help="skip compiled FlexAttention (one compile per T, mask and dtype)")
+    bench.add_argument("--no-module", dest="module", action="store_false",
+                       help="skip the module rows (the whole layer against nn.MultiheadAttention)")
     bench.add_argument("--decode-shape", type=_sizes("B", "ctx", "dim", "H"), default=(8, 2048, 768, 12),
                        metavar="B,ctx,dim,H", help="the decode step's shape; the generation rows use prompts of "
                        "about ctx/2 tokens (default: 8,2048,768,12)")
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         bench_mod.main(lengths=args.T, B=args.B, H=args.H, hd=args.hd, repeats=args.repeats, json_path=args.json,
                        plot_path=args.plot, bf16=args.bf16, memory_lengths=args.memory_T if args.memory else [],
                        backward=args.backward, decode_shape=args.decode_shape if args.decode else None,
-                       flex=args.flex)
+                       flex=args.flex, module=args.module)
 
 
 if __name__ == "__main__":
