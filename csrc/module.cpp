@@ -2,6 +2,7 @@
 
 #include "causal_attention/attention.h"
 
+#include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
@@ -27,6 +28,12 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
   const int64_t rows = x.numel() / std::max<int64_t>(1, x.size(-1));
   if (rows > kFewRows || at::GradMode::is_enabled()) {
     return at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+  }
+  const bool same_dtype = weight.scalar_type() == x.scalar_type() &&
+                          (!bias.defined() || bias.scalar_type() == x.scalar_type());
+  const bool on_cpu = x.device().is_cpu() && weight.device().is_cpu() && (!bias.defined() || bias.device().is_cpu());
+  if (same_dtype && on_cpu && !at::autocast::is_autocast_enabled(at::kCPU)) {  // streams the weight once
+    return kernels::few_rows_linear_cpu(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
   }
   const auto xt = x.reshape({rows, x.size(-1)}).t();                                               // (in, rows)
   const auto y = bias.defined() ? at::addmm(bias.unsqueeze(1), weight, xt) : at::mm(weight, xt);  // (out, rows)

@@ -150,6 +150,13 @@ at::Tensor decode_attention_meta(const at::Tensor& qkv, const at::Tensor& /*k_ca
   return heads_like(qkv);
 }
 
+at::Tensor few_rows_linear_meta(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& /*bias*/) {
+  auto sizes = x.sym_sizes().vec();
+  TORCH_CHECK_VALUE(!sizes.empty() && weight.dim() == 2, "few_rows_linear: x (..., in) and weight (out, in)");
+  sizes.back() = weight.sym_size(0);
+  return at::empty_symint(sizes, x.options());
+}
+
 at::Tensor mask_to_bool_meta(const at::Tensor& key_padding_mask) {
   return at::empty_symint(key_padding_mask.sym_sizes(), key_padding_mask.options().dtype(at::kBool));
 }
@@ -181,6 +188,7 @@ TORCH_LIBRARY(causal_attention, m) {
       "Tensor");
   m.def("mask_to_bool(Tensor key_padding_mask) -> Tensor");
   m.def("cache_end(Tensor lengths, Tensor? key_padding_mask, int new_tokens, int max_len) -> Tensor");
+  m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, Autograd, m) {
@@ -189,6 +197,7 @@ TORCH_LIBRARY_IMPL(causal_attention, Autograd, m) {
   // Functions, the C++ one in AttentionFunction): differentiating them directly is an error.
   m.impl("attention_forward", torch::autograd::autogradNotImplementedFallback());
   m.impl("attention_backward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("few_rows_linear", torch::autograd::autogradNotImplementedFallback());  // inference only
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, CompositeExplicitAutograd, m) {
@@ -206,6 +215,7 @@ TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {
   m.impl("decode_attention", &decode_attention_meta);
   m.impl("mask_to_bool", &mask_to_bool_meta);
   m.impl("cache_end", &cache_end_meta);
+  m.impl("few_rows_linear", &few_rows_linear_meta);
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
@@ -214,6 +224,7 @@ TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
   m.impl("dropout_keep_mask", &kernels::dropout_keep_mask_cpu);
   m.impl("kv_cache_write", &kernels::kv_cache_write_cpu);
   m.impl("decode_attention", &kernels::decode_attention_cpu);
+  m.impl("few_rows_linear", &kernels::few_rows_linear_cpu);
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, CatchAll, m) {

@@ -586,6 +586,32 @@ void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_
   }
 }
 
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void linear_rows(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o0,
+                 int64_t o1, scalar_t* y, int64_t ld_y) {
+  constexpr int kOut = 8;  // weight rows per pass: 8 x in values stay in L1 while the x rows pass
+  acc_t s[kOut];
+  const auto emit = [&](int64_t m, int64_t o, int n) {
+    for (int r = 0; r < n; ++r) {
+      const acc_t b = bias == nullptr ? acc_t(0) : static_cast<acc_t>(bias[o + r]);
+      y[m * ld_y + o + r] = static_cast<scalar_t>(s[r] + b);
+    }
+  };
+  int64_t o = o0;
+  for (; o + kOut <= o1; o += kOut) {
+    for (int64_t m = 0; m < rows; ++m) {
+      dot_rows<kOut>(x + m * in, w + o * in, in, in, s);
+      emit(m, o, kOut);
+    }
+  }
+  for (; o < o1; ++o) {
+    for (int64_t m = 0; m < rows; ++m) {
+      dot_rows<1>(x + m * in, w + o * in, in, in, s);
+      emit(m, o, 1);
+    }
+  }
+}
+
 #if defined(CPU_CAPABILITY_AVX512)
 #define CA_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
@@ -657,6 +683,7 @@ TileOps<scalar_t> make_tile_ops() {
   ops.finalize = &finalize<scalar_t>;
   ops.store = &store<scalar_t>;
   ops.decode_chunk = &decode_chunk<scalar_t>;
+  ops.linear_rows = &linear_rows<scalar_t>;
   ops.probabilities = &probabilities<scalar_t>;
   ops.score_grad = &score_grad<scalar_t>;
   ops.round_to_input = &round_to_input<scalar_t>;

@@ -144,3 +144,28 @@ TEST(Kernel, RejectsBadInputs) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Kernel, FewRowsLinearMatchesLinear) {
+  torch::manual_seed(11);
+  for (const int64_t rows : {1, 3, 8, 13}) {
+    for (const auto& [in, out] : {std::pair<int64_t, int64_t>{768, 2304}, {33, 65}, {7, 5}}) {
+      const auto x = torch::randn({rows, in}, torch::kFloat64);
+      const auto w = torch::randn({out, in}, torch::kFloat64);
+      const auto b = torch::randn({out}, torch::kFloat64);
+      EXPECT_LE(max_abs_diff(kernels::few_rows_linear_cpu(x, w, b), torch::nn::functional::linear(x, w, b)), 1e-12);
+      EXPECT_LE(max_abs_diff(kernels::few_rows_linear_cpu(x, w, std::nullopt), torch::mm(x, w.t())), 1e-12);
+      const auto y32 = kernels::few_rows_linear_cpu(x.to(torch::kFloat32), w.to(torch::kFloat32), b.to(torch::kFloat32));
+      EXPECT_LE(max_abs_diff(y32.to(torch::kFloat64), torch::nn::functional::linear(x, w, b)), 1e-4);
+    }
+  }
+  // bfloat16 sums in float32: 4096 products 1 * 1 and one 1 * 0.5 (a bfloat16 sum stalls at 256).
+  auto w = torch::ones({3, 4097}, torch::kBFloat16);
+  w.select(1, 4096).fill_(0.5);
+  EXPECT_TRUE(torch::equal(kernels::few_rows_linear_cpu(torch::ones({2, 4097}, torch::kBFloat16), w, std::nullopt),
+                           torch::full({2, 3}, 4096.5, torch::kBFloat16)));
+  EXPECT_THROW(kernels::few_rows_linear_cpu(torch::randn({2, 4}), torch::randn({3, 5}), std::nullopt), c10::ValueError);
+}
+
+}  // namespace

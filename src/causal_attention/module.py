@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from . import backends, reference
+from . import _ops, backends, reference
 from .backends import Backend
 from .cache import KVCache
 
@@ -49,18 +49,24 @@ def normalize_key_padding_mask(key_padding_mask: Tensor | None, x: Tensor) -> Te
     return backends.mask_to_bool(mask)  # checks the values inside an op: eager, compiled and exported
 
 
-# Below this many rows (a decode step), a Linear is computed as W x^T: for a handful of rows, BLAS
-# streams the weight faster in that orientation (GPT-2's 50257-wide head: 12 ms instead of 38 ms
-# for 4 rows, 2 threads, MKL on AVX2).
+# Below this many rows (a decode step), a Linear streams its weight: the engine's few_rows_linear
+# reads it from memory once at close to copy bandwidth, where BLAS reaches a fraction of it at
+# M <= 16 rows (closing note of the second performance round); without the engine, W x^T, which
+# BLAS streams faster than x W^T (GPT-2's 50257-wide head: 12 ms instead of 38 ms for 4 rows).
 FEW_ROWS = 8
 
 
 def few_rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor | None:
-    """x (..., in) @ weight^T (+ bias) -> (..., out), computed as (W x^T)^T, when x has few rows
-    and no gradient is wanted (inference: a decode step); None otherwise (the caller's usual path)."""
+    """x (..., in) @ weight^T (+ bias) -> (..., out) by a weight-streaming product, when x has few
+    rows and no gradient is wanted (inference: a decode step); None otherwise (the caller's usual
+    path)."""
     rows = x.numel() // max(1, x.shape[-1])
     if rows > FEW_ROWS or torch.is_grad_enabled() or _tracing():
         return None
+    same_dtype = weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+    on_cpu = x.device.type == weight.device.type == "cpu" and (bias is None or bias.device.type == "cpu")
+    if same_dtype and on_cpu and not torch.is_autocast_enabled("cpu") and _ops.core_loaded():
+        return torch.ops.causal_attention.few_rows_linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1])
     y = torch.mm(weight, x2.t()) if bias is None else torch.addmm(bias[:, None], weight, x2.t())  # (out, rows)
     return y.t().reshape(*x.shape[:-1], weight.shape[0])

@@ -118,6 +118,11 @@ void kv_cache_write_cpu(const at::Tensor& qkv, const at::Tensor& k_cache, const 
 at::Tensor decode_attention_cpu(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& start, const at::Tensor& end, int64_t n_heads);
 
+// x (..., in) @ weight^T (+ bias) -> (..., out) for the few rows of a decode step, streaming the weight
+// (out, in) from memory once; sums in float32 for bfloat16/half (float64 for float64), one rounding.
+// Any number of rows is computed, but BLAS is faster past a handful (kFewRows, module.h). No autograd.
+at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+
 // The instruction set the CPU kernel's element-wise routines were chosen for at run time.
 const char* cpu_capability();
 

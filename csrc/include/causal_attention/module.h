@@ -83,8 +83,8 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
 TORCH_MODULE(CausalSelfAttention);
 
 // x (..., in) @ weight^T (+ bias) -> (..., out). Without autograd and with at most kFewRows rows (a
-// decode step), computed as (W x^T)^T, as Python's few_rows_matmul (module.py): for a handful of
-// rows BLAS streams the weight faster in that orientation. bias may be undefined (no bias).
+// decode step), as Python's few_rows_matmul (module.py): on the CPU by kernels::few_rows_linear_cpu,
+// which streams the weight from memory once; elsewhere as (W x^T)^T. bias may be undefined.
 inline constexpr int64_t kFewRows = 8;
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 

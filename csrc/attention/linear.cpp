@@ -1,0 +1,74 @@
+// A linear layer on a few rows (a decode step's projections): memory bound, so the weight is
+// streamed from memory once, 8 rows at a time, while every input row passes over them (tile_ops'
+// linear_rows). BLAS routines handle M <= 16 rows at a fraction of the copy bandwidth (the closing
+// note of the second performance round lists them); this reaches it.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "causal_attention/attention.h"
+#include "tile_ops.h"
+#include "tile_products.h"
+
+namespace causal_attention::kernels {
+namespace {
+
+constexpr int64_t kOutputBlock = 64;  // output features per work item (a multiple of linear_rows' 8)
+
+void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(x.dim() >= 1, "few_rows_linear: x must have at least one dimension (..., in); got a scalar");
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == x.size(-1),
+                    "few_rows_linear: weight must have shape (out, in) with in = x.size(-1) = ", x.size(-1),
+                    "; got ", weight.sizes());
+  TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type(), "few_rows_linear: weight dtype (", weight.scalar_type(),
+                   ") must match x's (", x.scalar_type(), ")");
+  TORCH_CHECK_VALUE(x.device().is_cpu() && weight.device().is_cpu(),
+                    "few_rows_linear takes CPU tensors; got x on ", x.device(), " and weight on ", weight.device());
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0),
+                      "few_rows_linear: bias must have shape (out,) = (", weight.size(0), ",); got ", bias->sizes());
+    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "few_rows_linear: bias dtype (", bias->scalar_type(),
+                     ") must match x's (", x.scalar_type(), ")");
+    TORCH_CHECK_VALUE(bias->device().is_cpu(), "few_rows_linear takes CPU tensors; got bias on ", bias->device());
+  }
+}
+
+}  // namespace
+
+at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in) {
+  check_linear(x, weight_in, bias_in);
+  const int64_t in = x.size(-1);
+  const int64_t out_features = weight_in.size(0);
+  const int64_t rows = in == 0 ? x.numel() : x.numel() / in;
+  auto sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  auto y = at::empty(sizes, x.options());
+  if (y.numel() == 0) {
+    return y;
+  }
+  if (in == 0) {  // an empty sum: the bias, or 0
+    return bias_in.has_value() ? y.copy_(bias_in->expand(sizes)) : y.zero_();
+  }
+  const auto weight = weight_in.contiguous();
+  const auto bias = bias_in.has_value() ? std::optional<at::Tensor>(bias_in->contiguous()) : std::nullopt;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "few_rows_linear", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    // The rows in acc_t, contiguous: read by every work item.
+    const auto x_acc = x.reshape({rows, in}).to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
+    const acc_t* xp = x_acc.const_data_ptr<acc_t>();
+    const scalar_t* wp = weight.const_data_ptr<scalar_t>();
+    const scalar_t* bp = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    const auto& ops = tile::tile_ops<scalar_t>();
+    at::parallel_for(0, ceil_div(out_features, kOutputBlock), 1, [&](int64_t begin, int64_t end) {
+      ops.linear_rows(xp, rows, in, wp, bp, begin * kOutputBlock, std::min(out_features, end * kOutputBlock), yp,
+                      out_features);
+    });
+  });
+  return y;
+}
+
+}  // namespace causal_attention::kernels
