@@ -162,11 +162,14 @@ def test_deterministic_and_thread_count_independent(dtype):
         y2, g2 = run()
         torch.set_num_threads(1)
         y3, g3 = run()
+        torch.set_num_threads(3)  # an odd count, more threads than items of some sequences
+        y4, g4 = run()
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(y1, y2) and torch.equal(g1, g2)  # same inputs and threads: bitwise
-    # Work items do not depend on the thread count, so 1 thread gives the same bits as 2.
+    # Work items (taken by whichever thread is free) do not depend on the thread count: the same bits.
     assert torch.equal(y1, y3) and torch.equal(g1, g3)
+    assert torch.equal(y1, y4) and torch.equal(g1, g4)
 
 
 def test_compile_fullgraph_matches_eager():

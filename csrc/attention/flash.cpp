@@ -18,7 +18,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -67,9 +69,31 @@ MaskSummary summarize(const std::optional<at::Tensor>& mask, int64_t B, int64_t 
 
 // ---- Where the operands of one (batch, head) are --------------------------------------------------
 
-// Query blocks of one (batch, head) in an order that pairs short causal rows with long ones, so
-// that contiguous ranges of work items hold balanced work.
-int64_t balanced_block(int64_t r, int64_t n) { return (r % 2 == 0) ? r / 2 : n - 1 - r / 2; }
+// The parallel schedule of a pass: every thread makes its workspace (make_ws()) and takes work
+// items from a shared counter, in the order given (the costliest first), until none is left. With
+// padding, sequences cost very different amounts (a static split of the items gave one thread
+// most of the long sequences); items write disjoint outputs, so the result does not depend on
+// which thread ran which.
+template <typename MakeWorkspace, typename Work>
+void run_items(const std::vector<int64_t>& order, const MakeWorkspace& make_ws, const Work& work) {
+  std::atomic<int64_t> next{0};
+  const auto n = static_cast<int64_t>(order.size());
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    auto ws = make_ws();
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+      work(order[i], ws);
+    }
+  });
+}
+
+// Items 0..n-1 by decreasing cost (ties in item order: the same order on every call).
+template <typename Cost>
+std::vector<int64_t> costliest_first(int64_t n, const Cost& cost) {
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  return order;
+}
 
 struct Geometry {
   int64_t B, T, H, dim, hd, nq, nk;  // nq, nk: query and key blocks of the pass
@@ -160,14 +184,16 @@ class ForwardPass {
         scale_(acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd))),
         bf16_pack_(use_bf16_scores<scalar_t>(g.hd)) {}
 
-  // The parallel schedule: work items are (batch, head, query block), balanced_block order.
+  // Work items are (batch, head, query block), costing the keys the block sees.
   void run() const {
-    at::parallel_for(0, g_.B * g_.H * g_.nq, 1, [&](int64_t begin, int64_t end) {
-      ForwardWorkspace<scalar_t> ws(g_.hd, bf16_pack_);
-      for (int64_t item = begin; item < end; ++item) {
-        query_block(item / g_.nq, balanced_block(item % g_.nq, g_.nq), ws);
-      }
+    const auto order = costliest_first(g_.B * g_.H * g_.nq, [&](int64_t item) {
+      const int64_t b = item / (g_.H * g_.nq);
+      const int64_t q_end = std::min(g_.T, (item % g_.nq + 1) * kBlockQ);
+      return std::min(q_end, summary_.key_end[b]);
     });
+    run_items(
+        order, [&] { return ForwardWorkspace<scalar_t>(g_.hd, bf16_pack_); },
+        [&](int64_t item, ForwardWorkspace<scalar_t>& ws) { query_block(item / g_.nq, item % g_.nq, ws); });
   }
 
  private:
@@ -274,14 +300,12 @@ class BackwardPass {
         scale_(acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd))),
         bf16_pack_(use_bf16_scores<scalar_t>(g.hd)) {}
 
-  // The parallel schedule: one (batch, head) per work item.
+  // Work items are (batch, head), costing the keys of the sequence.
   void run() const {
-    at::parallel_for(0, g_.B * g_.H, 1, [&](int64_t begin, int64_t end) {
-      BackwardWorkspace<scalar_t> ws(g_.T, g_.hd, bf16_pack_, drop_.has_value());
-      for (int64_t bh = begin; bh < end; ++bh) {
-        head(bh, ws);
-      }
-    });
+    const auto order = costliest_first(g_.B * g_.H, [&](int64_t bh) { return summary_.key_end[bh / g_.H]; });
+    run_items(
+        order, [&] { return BackwardWorkspace<scalar_t>(g_.T, g_.hd, bf16_pack_, drop_.has_value()); },
+        [&](int64_t bh, BackwardWorkspace<scalar_t>& ws) { head(bh, ws); });
   }
 
  private:
