@@ -1,5 +1,5 @@
 // Element-wise work on attention tiles: online softmax, rescaling, the backward's probabilities
-// and score gradients. The matrix products around them go to ATen (MKL / oneDNN).
+// and score gradients. The matrix products around them are blas.h's (tile_products.h).
 //
 // These routines are compiled once per instruction set (tile_ops_isa.cpp: DEFAULT, AVX2, AVX512)
 // and chosen at run time from ATen's CPU capability, as ATen's own kernels are; the environment
