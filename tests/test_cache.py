@@ -178,6 +178,29 @@ def test_decode_kernel_against_torch(t_new, B, H):
     assert torch.count_nonzero(y[empty]) == 0
 
 
+@pytest.mark.parametrize("layout", ["expanded_time", "one_row_odd_stride"])
+def test_decode_kernel_odd_row_strides(layout):
+    """qkv views whose rows are closer than a row length apart (T expanded; one row whose stride
+    PyTorch ignores) give what their contiguous copies give."""
+    B, H, hd, L = 2, 3, 16, 300
+    C = 3 * H * hd
+    if layout == "expanded_time":  # 40 new tokens: the GEMM tiles
+        qkv = torch.randn(B, 1, C, dtype=torch.float64).expand(B, 40, C)
+    else:
+        qkv = torch.randn(B, C, 1, dtype=torch.float64).transpose(1, 2)
+        assert qkv.stride(1) < C
+    t = qkv.shape[1]
+    start = torch.tensor([0, 100])
+    end = start + t
+    k = torch.randn(B, H, L, hd, dtype=torch.float64)
+    v = torch.randn(B, H, L, hd, dtype=torch.float64)
+    torch.ops.causal_attention.kv_cache_write(qkv, k, v, start, end, H)
+    y = torch.ops.causal_attention.decode_attention(qkv, k, v, start, end, H)
+    fresh = torch.empty(qkv.shape, dtype=qkv.dtype).copy_(qkv)  # canonical strides
+    y_ref = torch.ops.causal_attention.decode_attention(fresh, k, v, start, end, H)
+    assert rel_err(y, y_ref) <= 1e-12
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "f16", "f32"])
 @pytest.mark.parametrize("t_new", [1, 5, 40])
 def test_decode_kernel_low_precision(dtype, t_new):

@@ -70,7 +70,8 @@ def test_head_dims(hd, dtype):
     _check_against_reference(qkv, make_mask("random", B, T), H, 1e-12 if dtype == torch.float64 else 2e-5)
 
 
-@pytest.mark.parametrize("layout", ["row_slice", "transposed_batch", "strided_columns", "expanded"])
+@pytest.mark.parametrize("layout", ["row_slice", "transposed_batch", "strided_columns", "expanded",
+                                    "expanded_time", "one_row_odd_stride"])
 def test_non_contiguous_inputs(layout):
     B, T, H, hd = 3, 140, 2, 24
     C = 3 * H * hd
@@ -80,11 +81,17 @@ def test_non_contiguous_inputs(layout):
         qkv = torch.randn(T, B, C, dtype=torch.float64).transpose(0, 1)
     elif layout == "strided_columns":  # last dimension not dense
         qkv = torch.randn(B, T, 2 * C, dtype=torch.float64)[:, :, ::2]
-    else:  # one sequence broadcast over the batch
+    elif layout == "expanded":  # one sequence broadcast over the batch
         qkv = torch.randn(1, T, C, dtype=torch.float64).expand(B, T, C)
-    assert not qkv.is_contiguous()
+    elif layout == "expanded_time":  # one token broadcast over time: rows 0 apart
+        qkv = torch.randn(B, 1, C, dtype=torch.float64).expand(B, T, C)
+    else:  # T = 1 with a row stride below the row length (PyTorch calls it contiguous)
+        T = 1
+        qkv = torch.randn(B, C, 1, dtype=torch.float64).transpose(1, 2)
+        assert qkv.stride(1) < C
+    assert not qkv.is_contiguous() or layout == "one_row_odd_stride"
     mask = make_mask("right", B, T).t().contiguous().t()  # a non-contiguous mask too
-    assert not mask.is_contiguous()
+    assert not mask.is_contiguous() or T == 1
     _check_against_reference(qkv, mask, H, 1e-12)
 
 

@@ -27,6 +27,7 @@ void cblas_gemm_f16f16f32(int layout, int transa, int transb, int m, int n, int 
 namespace causal_attention::blas {
 namespace {
 
+#ifdef CA_HAVE_MKL_GEMM
 // Tile sizes and leading dimensions fit BLAS's 32-bit integers (a tile is at most T x 3 * dim).
 int as_int(int64_t x) {
   TORCH_CHECK(x >= 0 && x <= std::numeric_limits<int>::max(), "tile GEMM: dimension ", x,
@@ -34,7 +35,6 @@ int as_int(int64_t x) {
   return static_cast<int>(x);
 }
 
-#ifdef CA_HAVE_MKL_GEMM
 constexpr int kRowMajor = 101;
 constexpr int kNoTrans = 111;
 constexpr int kTrans = 112;
@@ -55,7 +55,8 @@ void cblas_16bit_gemm(F f, bool trans_a, bool trans_b, int64_t m, int64_t n, int
     reinterpret_cast<const uint16_t*>(a), as_int(lda), reinterpret_cast<const uint16_t*>(b), as_int(ldb), beta, c,
     as_int(ldc));
 }
-#else
+#endif
+
 // op(X) as a tensor on X's memory (rows x cols after op).
 template <typename T>
 at::Tensor operand(const T* x, bool trans, int64_t rows, int64_t cols, int64_t ld) {
@@ -83,7 +84,6 @@ void aten_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, S al
     at::addmm_out(out, out, a_t, b_t, beta, alpha);
   }
 }
-#endif
 
 }  // namespace
 
@@ -122,6 +122,30 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alp
   aten_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 #endif
 }
+
+namespace aten {
+
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  aten_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a, int64_t lda,
+          const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
+  aten_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const c10::BFloat16* a,
+          int64_t lda, const c10::BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  aten_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const c10::Half* a, int64_t lda,
+          const c10::Half* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  aten_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+}  // namespace aten
 
 const char* gemm_backend() {
 #ifdef CA_HAVE_MKL_GEMM

@@ -123,7 +123,7 @@ class DecodePass {
         H_(n_heads),
         hd_(dim_ / n_heads),
         max_len_(k_cache.size(2)),
-        ld_q_(qkv.stride(1)),
+        ld_q_(row_stride(qkv)),
         q_(qkv.const_data_ptr<scalar_t>()),
         batch_stride_(qkv.stride(0)),
         k_cache_(k_cache.const_data_ptr<scalar_t>()),
@@ -134,7 +134,7 @@ class DecodePass {
         // A few new queries of a small batch: split each context into parts, from the shapes alone
         // (so the result and the scratch size never depend on the thread count).
         n_split_(t_ <= kDecodeFewRows ? std::clamp<int64_t>(ceil_div(kDecodeItems, B_ * H_), 1,
-                                                             ceil_div(max_len_, kDecodeChunk))
+                                                             std::max<int64_t>(1, ceil_div(max_len_, kDecodeChunk)))
                                       : 1),
         // Partial softmax states of every split: output (t, hd), max and sum (t).
         partial_(static_cast<size_t>(B_ * H_ * n_split_ * t_ * (hd_ + 2))) {}
@@ -264,7 +264,7 @@ class DecodePass {
 at::Tensor decode_attention_cpu(const at::Tensor& qkv_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& start_in, const at::Tensor& end_in, int64_t n_heads) {
   check_cache(qkv_in, k_cache, v_cache, start_in, end_in, n_heads);
-  const auto qkv = qkv_in.stride(-1) == 1 ? qkv_in : qkv_in.contiguous();
+  const auto qkv = blas_rows(qkv_in);
   const auto start = start_in.contiguous();
   const auto end = end_in.contiguous();
   const int64_t B = qkv.size(0), t = qkv.size(1), dim = qkv.size(2) / 3, max_len = k_cache.size(2);

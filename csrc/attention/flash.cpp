@@ -110,7 +110,7 @@ Geometry geometry(const at::Tensor& qkv, int64_t n_heads, int64_t block_q, int64
 template <typename scalar_t>
 struct HeadRows {
   HeadRows(const at::Tensor& qkv, const Geometry& g, int64_t b, int64_t h)
-      : ld(qkv.stride(1)),
+      : ld(row_stride(qkv)),
         q(qkv.const_data_ptr<scalar_t>() + b * qkv.stride(0) + h * g.hd),
         k(q + g.dim),
         v(q + 2 * g.dim) {}
@@ -432,8 +432,6 @@ OptionalDropout dropout_of(double dropout_p, const std::optional<at::Tensor>& se
   return philox::Dropout(dropout_p, static_cast<uint64_t>(seed_value(*seed)));
 }
 
-// The kernels read rows by stride; the last dimension must be dense.
-at::Tensor dense_rows(const at::Tensor& x) { return x.stride(-1) == 1 ? x : x.contiguous(); }
 
 std::optional<at::Tensor> contiguous_mask(const std::optional<at::Tensor>& mask) {
   return mask.has_value() ? std::optional<at::Tensor>(mask->contiguous()) : std::nullopt;
@@ -447,7 +445,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& qkv_i
                                                          const std::optional<at::Tensor>& seed) {
   check_cpu_inputs(qkv_in, mask_in, n_heads);
   const auto drop = dropout_of(dropout_p, seed);
-  const auto qkv = dense_rows(qkv_in);
+  const auto qkv = blas_rows(qkv_in);
   const auto mask = contiguous_mask(mask_in);
   const auto g = geometry(qkv, n_heads, kBlockQ, kBlockK);
   const auto acc_dtype = qkv.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -468,7 +466,7 @@ at::Tensor attention_backward_cpu(const at::Tensor& grad_out_in, const at::Tenso
                                   const std::optional<at::Tensor>& seed) {
   check_cpu_inputs(qkv_in, mask_in, n_heads);
   const auto drop = dropout_of(dropout_p, seed);
-  const auto qkv = dense_rows(qkv_in);
+  const auto qkv = blas_rows(qkv_in);
   const auto mask = contiguous_mask(mask_in);
   const auto g = geometry(qkv, n_heads, kBwdBlockQ, kBwdBlockK);
   TORCH_CHECK_VALUE(grad_out_in.sizes() == out.sizes() && out.sizes() == at::IntArrayRef({g.B, g.T, g.dim}),

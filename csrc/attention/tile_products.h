@@ -6,6 +6,7 @@
 // (P, dS) are rounded to the input type first (input_operand).
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 
 #include <cstdint>
@@ -17,6 +18,17 @@
 namespace causal_attention::kernels {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// x (B, T, C) with rows that BLAS can read by a leading dimension: the last dimension dense and
+// rows at least C apart. A view whose rows overlap (T expanded: stride 0) is materialised.
+inline at::Tensor blas_rows(const at::Tensor& x) {
+  const bool ok = x.stride(-1) == 1 && (x.size(1) <= 1 || x.stride(1) >= x.size(2));
+  return ok ? x : x.contiguous();
+}
+
+// The leading dimension of blas_rows(x)'s rows. With one row its stride is arbitrary (PyTorch
+// ignores the strides of size-1 dimensions), but BLAS checks ld >= the row length all the same.
+inline int64_t row_stride(const at::Tensor& x) { return x.size(1) == 1 ? x.size(2) : x.stride(1); }
 
 // bfloat16 / half inputs: every tile product is computed and accumulated in float32.
 template <typename scalar_t>

@@ -1,5 +1,6 @@
-// The tile GEMMs (csrc/attention/blas.h) against float64 products of the same operands: every
-// transpose combination, strided operands, beta 0 (C never read) and 1 (accumulate), alpha != 1.
+// The tile GEMMs (csrc/attention/blas.h), MKL's path and the ATen fallback, against float64 products
+// of the same operands: every transpose combination, strided operands, beta 0 (C never read) and 1
+// (accumulate), alpha != 1.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -23,8 +24,9 @@ torch::Tensor stored_operand(int64_t rows, int64_t cols, bool trans, torch::Scal
   return torch::randn({trans ? cols : rows, (trans ? rows : cols) + 5}).to(dtype);
 }
 
-template <typename T, typename C, typename S>
-void check(torch::ScalarType dtype, double tolerance) {
+// gemm: blas::gemm (MKL where found) or blas::aten::gemm (the fallback), as a generic lambda.
+template <typename T, typename C, typename S, typename Gemm>
+void check(torch::ScalarType dtype, double tolerance, const Gemm& gemm) {
   const auto c_dtype = c10::CppTypeToScalarType<C>::value;
   for (const bool ta : {false, true}) {
     for (const bool tb : {false, true}) {
@@ -41,8 +43,8 @@ void check(torch::ScalarType dtype, double tolerance) {
           }
           const auto tail_before = c.narrow(1, n, ldc - n).clone();
           const double alpha = 0.5;
-          blas::gemm(ta, tb, m, n, k, static_cast<S>(alpha), a.template const_data_ptr<T>(), a.size(1),
-                     b.template const_data_ptr<T>(), b.size(1), static_cast<S>(beta), c.template data_ptr<C>(), ldc);
+          gemm(ta, tb, m, n, k, static_cast<S>(alpha), a.template const_data_ptr<T>(), a.size(1),
+               b.template const_data_ptr<T>(), b.size(1), static_cast<S>(beta), c.template data_ptr<C>(), ldc);
           const auto product = torch::mm(op(a, ta, ta ? m : k).to(torch::kFloat64),
                                          op(b, tb, tb ? k : n).to(torch::kFloat64));
           const auto expected = alpha * product + beta * c_before.narrow(1, 0, n).to(torch::kFloat64);
@@ -61,15 +63,30 @@ void check(torch::ScalarType dtype, double tolerance) {
   }
 }
 
-TEST(Blas, FloatMatchesFloat64Products) { check<float, float, float>(torch::kFloat32, 1e-5); }
+const auto kGemm = [](auto... args) { blas::gemm(args...); };
+const auto kAtenGemm = [](auto... args) { blas::aten::gemm(args...); };
 
-TEST(Blas, DoubleMatchesFloat64Products) { check<double, double, double>(torch::kFloat64, 1e-13); }
+TEST(Blas, FloatMatchesFloat64Products) {
+  check<float, float, float>(torch::kFloat32, 1e-5, kGemm);
+  check<float, float, float>(torch::kFloat32, 1e-5, kAtenGemm);
+}
+
+TEST(Blas, DoubleMatchesFloat64Products) {
+  check<double, double, double>(torch::kFloat64, 1e-13, kGemm);
+  check<double, double, double>(torch::kFloat64, 1e-13, kAtenGemm);
+}
 
 // 16-bit operands: products of the exact float32 widenings summed in float32, so the error is
 // float32's (a bfloat16 or half accumulation would be off by 1e-3 .. 1e-2 of sqrt(k)).
-TEST(Blas, BFloat16SumsInFloat32) { check<c10::BFloat16, float, float>(torch::kBFloat16, 1e-5); }
+TEST(Blas, BFloat16SumsInFloat32) {
+  check<c10::BFloat16, float, float>(torch::kBFloat16, 1e-5, kGemm);
+  check<c10::BFloat16, float, float>(torch::kBFloat16, 1e-5, kAtenGemm);
+}
 
-TEST(Blas, HalfSumsInFloat32) { check<c10::Half, float, float>(torch::kHalf, 1e-5); }
+TEST(Blas, HalfSumsInFloat32) {
+  check<c10::Half, float, float>(torch::kHalf, 1e-5, kGemm);
+  check<c10::Half, float, float>(torch::kHalf, 1e-5, kAtenGemm);
+}
 
 TEST(Blas, NamesItsBackend) {
   const std::string backend = blas::gemm_backend();
