@@ -562,8 +562,9 @@ def plot_report(report: Report, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     dtype = report.rows[0].dtype
-    panels = [(lvl, m, p) for lvl in ("kernel", "module") for m in ("causal", "padded") for p in ("fwd", "fwd+bwd")]
-    fig, axes = plt.subplots(2, 4, figsize=(20, 9))
+    levels = [lvl for lvl in ("kernel", "module") if any(r.level == lvl for r in report.rows)]  # --no-module
+    panels = [(lvl, m, p) for lvl in levels for m in ("causal", "padded") for p in ("fwd", "fwd+bwd")]
+    fig, axes = plt.subplots(len(levels), 4, figsize=(20, 4.5 * len(levels)), squeeze=False)
     impls = list(dict.fromkeys(r.impl for r in report.rows))
     colors = {impl: f"C{i}" for i, impl in enumerate(impls)}  # one colour per implementation everywhere
     for ax, (lvl, m, p) in zip(axes.flat, panels):
