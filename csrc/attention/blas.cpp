@@ -57,6 +57,47 @@ void cblas_16bit_gemm(F f, bool trans_a, bool trans_b, int64_t m, int64_t n, int
 }
 #endif
 
+}  // namespace
+
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+#ifdef CA_HAVE_MKL_GEMM
+  fortran_gemm<float>(sgemm_, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+#else
+  aten::gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+#endif
+}
+
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a, int64_t lda,
+          const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
+#ifdef CA_HAVE_MKL_GEMM
+  fortran_gemm<double>(dgemm_, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+#else
+  aten::gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+#endif
+}
+
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const c10::BFloat16* a,
+          int64_t lda, const c10::BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+#ifdef CA_HAVE_MKL_GEMM
+  cblas_16bit_gemm(cblas_gemm_bf16bf16f32, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+#else
+  aten::gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+#endif
+}
+
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const c10::Half* a, int64_t lda,
+          const c10::Half* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+#ifdef CA_HAVE_MKL_GEMM
+  cblas_16bit_gemm(cblas_gemm_f16f16f32, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+#else
+  aten::gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+#endif
+}
+
+namespace aten {
+namespace {
+
 // op(X) as a tensor on X's memory (rows x cols after op).
 template <typename T>
 at::Tensor operand(const T* x, bool trans, int64_t rows, int64_t cols, int64_t ld) {
@@ -66,9 +107,11 @@ at::Tensor operand(const T* x, bool trans, int64_t rows, int64_t cols, int64_t l
                : at::from_blob(p, {rows, cols}, {ld, 1}, at::dtype(dtype));
 }
 
-template <typename T, typename C, typename S>
-void aten_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, S alpha, const T* a, int64_t lda,
-               const T* b, int64_t ldb, S beta, C* c, int64_t ldc) {
+}  // namespace
+
+template <typename T, typename S, typename C>
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, S alpha, const T* a, int64_t lda, const T* b,
+          int64_t ldb, S beta, C* c, int64_t ldc) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // plain products, never recorded by autograd
   const auto c_dtype = c10::CppTypeToScalarType<C>::value;
   at::Tensor out = at::from_blob(c, {m, n}, {ldc, 1}, at::dtype(c_dtype));
@@ -85,65 +128,14 @@ void aten_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, S al
   }
 }
 
-}  // namespace
-
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-#ifdef CA_HAVE_MKL_GEMM
-  fortran_gemm<float>(sgemm_, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-#else
-  aten_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-#endif
-}
-
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a, int64_t lda,
-          const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
-#ifdef CA_HAVE_MKL_GEMM
-  fortran_gemm<double>(dgemm_, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-#else
-  aten_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-#endif
-}
-
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const c10::BFloat16* a,
-          int64_t lda, const c10::BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-#ifdef CA_HAVE_MKL_GEMM
-  cblas_16bit_gemm(cblas_gemm_bf16bf16f32, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-#else
-  aten_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-#endif
-}
-
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const c10::Half* a, int64_t lda,
-          const c10::Half* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-#ifdef CA_HAVE_MKL_GEMM
-  cblas_16bit_gemm(cblas_gemm_f16f16f32, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-#else
-  aten_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-#endif
-}
-
-namespace aten {
-
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  aten_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
-
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a, int64_t lda,
-          const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
-  aten_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
-
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const c10::BFloat16* a,
-          int64_t lda, const c10::BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  aten_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
-
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const c10::Half* a, int64_t lda,
-          const c10::Half* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  aten_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
+template void gemm(bool, bool, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*, int64_t, float,
+                   float*, int64_t);
+template void gemm(bool, bool, int64_t, int64_t, int64_t, double, const double*, int64_t, const double*, int64_t,
+                   double, double*, int64_t);
+template void gemm(bool, bool, int64_t, int64_t, int64_t, float, const c10::BFloat16*, int64_t, const c10::BFloat16*,
+                   int64_t, float, float*, int64_t);
+template void gemm(bool, bool, int64_t, int64_t, int64_t, float, const c10::Half*, int64_t, const c10::Half*, int64_t,
+                   float, float*, int64_t);
 
 }  // namespace aten
 

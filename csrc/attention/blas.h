@@ -33,14 +33,11 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alp
 // The same products as ATen calls on views of the same memory: gemm's path where torch has no MKL,
 // always built so that the tests check it against the MKL path.
 namespace aten {
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-          const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a, int64_t lda,
-          const double* b, int64_t ldb, double beta, double* c, int64_t ldc);
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const c10::BFloat16* a,
-          int64_t lda, const c10::BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc);
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const c10::Half* a, int64_t lda,
-          const c10::Half* b, int64_t ldb, float beta, float* c, int64_t ldc);
+// Instantiated for (T, S, C) = (float, float, float), (double, double, double), (BFloat16, float, float)
+// and (Half, float, float): the overloads of gemm above.
+template <typename T, typename S, typename C>
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, S alpha, const T* a, int64_t lda, const T* b,
+          int64_t ldb, S beta, C* c, int64_t ldc);
 }  // namespace aten
 
 // "MKL" when the products call MKL directly, else "ATen".
