@@ -144,13 +144,23 @@ void causal_tiles(int64_t q0, int64_t bq, int64_t k0, int64_t bk, const F& f) {
 // The causal limit of tile rows starting at query q (tile::kNoCausal when every row sees every key).
 int64_t causal_offset(int64_t q, int64_t k0, int64_t cols) { return (k0 + cols - 1 > q) ? q - k0 : tile::kNoCausal; }
 
+// The micro-kernel's panels of a key block (tile_products.h): keys transposed for the scores; values as
+// rows for P V (forward), transposed for dO V^T (backward); keys as rows for dS K (backward). Empty
+// where the products go to BLAS.
+template <typename acc_t>
+struct KeyBlockPanels {
+  Panels<acc_t> keys;
+  Panels<acc_t> values;
+  Panels<acc_t> key_rows;
+};
+
 // ---- Forward --------------------------------------------------------------------------------------
 
 // One thread's scratch, reused by every work item of its chunk.
 template <typename scalar_t>
 struct ForwardWorkspace {
   using acc_t = at::opmath_type<scalar_t>;
-  ForwardWorkspace(int64_t hd, bool bf16_pack)
+  ForwardWorkspace(int64_t hd, bool bf16_pack, bool panels)
       : s(kBlockQ * kBlockK),
         p_in(kReduced<scalar_t> ? kBlockQ * kBlockK : 0),
         pv(kBlockQ * hd),
@@ -159,13 +169,16 @@ struct ForwardWorkspace {
         l(kBlockQ),
         alpha(kBlockQ),
         buf(kBlockK),
-        pack(bf16_pack ? (hd / 2) * (kBlockK + 32) : 0) {}
+        pack(bf16_pack ? (hd / 2) * (kBlockK + 32) : 0),
+        p_wide(kReduced<scalar_t> && panels ? kBlockQ * kBlockK : 0) {}
   std::vector<acc_t> s;         // scores, then P
   std::vector<scalar_t> p_in;   // P in the input type (bfloat16 / half)
   std::vector<acc_t> pv;        // P V of one tile
   std::vector<acc_t> o;         // (bq, hd) unnormalised output
   std::vector<acc_t> m, l, alpha, buf;  // running row max and sum, rescale factors, row scratch
   std::vector<uint32_t> pack;   // bf16_scores' packed keys
+  std::vector<acc_t> q_wide;    // micro-kernel, bfloat16 / half: the query block widened
+  std::vector<acc_t> p_wide;    // micro-kernel, bfloat16 / half: P rounded to the input type, widened
 };
 
 template <typename scalar_t>
@@ -182,23 +195,67 @@ class ForwardPass {
         out_(out.data_ptr<scalar_t>()),
         lse_(lse.data_ptr<acc_t>()),
         scale_(acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd))),
-        bf16_pack_(use_bf16_scores<scalar_t>(g.hd)) {}
+        bf16_pack_(use_bf16_scores<scalar_t>(g.hd)),
+        panels_(use_panel_gemm<scalar_t>()) {}
 
   // Work items are (batch, head, query block), costing the keys the block sees.
   void run() const {
+    const auto panels = pack_key_blocks();
     const auto order = costliest_first(g_.B * g_.H * g_.nq, [&](int64_t item) {
       const int64_t b = item / (g_.H * g_.nq);
       const int64_t q_end = std::min(g_.T, (item % g_.nq + 1) * kBlockQ);
       return std::min(q_end, summary_.key_end[b]);
     });
     run_items(
-        order, [&] { return ForwardWorkspace<scalar_t>(g_.hd, bf16_pack_); },
-        [&](int64_t item, ForwardWorkspace<scalar_t>& ws) { query_block(item / g_.nq, item % g_.nq, ws); });
+        order, [&] { return ForwardWorkspace<scalar_t>(g_.hd, bf16_pack_, panels_); },
+        [&](int64_t item, ForwardWorkspace<scalar_t>& ws) { query_block(item / g_.nq, item % g_.nq, panels, ws); });
   }
 
  private:
+  // The key block's panels in pack_key_blocks' buffer: keys transposed, then values as rows.
+  int64_t key_panels_size() const { return panels_size(g_.hd, kBlockK); }
+  int64_t block_panels_size() const { return key_panels_size() + panels_size(kBlockK, g_.hd); }
+
+  // With the micro-kernel: the panels of every key block of every (batch, head) with a real key, packed
+  // in parallel once per call rather than once per query block that reads them (2/3 of qkv's size).
+  // Undefined (no memory) where the products go to BLAS.
+  at::Tensor pack_key_blocks() const {
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (panels_) {
+        at::Tensor buf = at::empty({g_.B * g_.H * g_.nk * block_panels_size()}, at::kFloat);
+        float* base = buf.data_ptr<float>();
+        at::parallel_for(0, g_.B * g_.H * g_.nk, 1, [&](int64_t i0, int64_t i1) {
+          for (int64_t i = i0; i < i1; ++i) {
+            const int64_t bh = i / g_.nk;
+            const int64_t b = bh / g_.H;
+            const int64_t k0 = (i % g_.nk) * kBlockK;
+            if (summary_.status[b * g_.nk + i % g_.nk] == kNoneReal || k0 >= summary_.key_end[b]) {
+              continue;
+            }
+            const HeadRows<scalar_t> rows(qkv_, g_, b, bh % g_.H);
+            const int64_t bk = std::min(summary_.key_end[b], k0 + kBlockK) - k0;
+            float* dst = base + i * block_panels_size();
+            pack_transposed(rows.k + k0 * rows.ld, rows.ld, bk, g_.hd, dst);
+            pack_rows(rows.v + k0 * rows.ld, rows.ld, bk, g_.hd, dst + key_panels_size());
+          }
+        });
+        return buf;
+      }
+    }
+    return {};
+  }
+
+  // The panels of key block kb of (batch, head) bh in pack_key_blocks' buffer (empty when undefined).
+  KeyBlockPanels<acc_t> block_panels(const at::Tensor& panels, int64_t bh, int64_t kb, int64_t bk) const {
+    if (!panels.defined()) {
+      return {};
+    }
+    const acc_t* block = panels.const_data_ptr<acc_t>() + (bh * g_.nk + kb) * block_panels_size();
+    return {{block, g_.hd}, {block + key_panels_size(), bk}, {}};
+  }
+
   // Query block qb of (batch, head) bh against every key block it may see.
-  void query_block(int64_t bh, int64_t qb, ForwardWorkspace<scalar_t>& ws) const {
+  void query_block(int64_t bh, int64_t qb, const at::Tensor& panels, ForwardWorkspace<scalar_t>& ws) const {
     const int64_t b = bh / g_.H;
     const int64_t h = bh % g_.H;
     const HeadRows<scalar_t> rows(qkv_, g_, b, h);
@@ -207,6 +264,7 @@ class ForwardPass {
     std::fill(ws.o.begin(), ws.o.begin() + bq * g_.hd, acc_t(0));
     std::fill(ws.m.begin(), ws.m.begin() + bq, -std::numeric_limits<acc_t>::infinity());
     std::fill(ws.l.begin(), ws.l.begin() + bq, acc_t(0));
+    const auto q_block = operand<scalar_t>(rows.q + q0 * rows.ld, rows.ld, bq, g_.hd, panels_, ws.q_wide);
 
     const int64_t k_stop = std::min(q0 + bq, summary_.key_end[b]);  // causal, and no key past the last real one
     for (int64_t kb = 0; kb * kBlockK < k_stop; ++kb) {
@@ -216,8 +274,9 @@ class ForwardPass {
       }
       const int64_t k0 = kb * kBlockK;
       const bool* key_mask = (st == kMixed) ? summary_.mask + b * g_.T + k0 : nullptr;
+      const auto block = block_panels(panels, bh, kb, std::min(summary_.key_end[b], k0 + kBlockK) - k0);
       causal_tiles(q0, bq, k0, std::min(k_stop, k0 + kBlockK) - k0, [&](int64_t r0, int64_t r1, int64_t cols) {
-        tile(rows, bh, q0 + r0, r0, r1 - r0, k0, cols, key_mask, ws);
+        tile(rows, q_block, bh, q0 + r0, r0, r1 - r0, k0, cols, key_mask, block, ws);
       });
     }
     tile::tile_ops<scalar_t>().finalize(ws.o.data(), g_.hd, bq, g_.hd, ws.m.data(), ws.l.data(),
@@ -226,20 +285,22 @@ class ForwardPass {
 
   // Queries q..q+n (rows r0.. of the block's state) against keys k0..k0+cols: the scores, one
   // online-softmax step, dropout, and O = O * alpha + P V.
-  void tile(const HeadRows<scalar_t>& rows, int64_t bh, int64_t q, int64_t r0, int64_t n, int64_t k0, int64_t cols,
-            const bool* key_mask, ForwardWorkspace<scalar_t>& ws) const {
+  // q_block: the block's queries (row r0 is query q).
+  void tile(const HeadRows<scalar_t>& rows, const Operand<scalar_t>& q_block, int64_t bh, int64_t q, int64_t r0,
+            int64_t n, int64_t k0, int64_t cols, const bool* key_mask, const KeyBlockPanels<acc_t>& panels,
+            ForwardWorkspace<scalar_t>& ws) const {
     const auto& acc_ops = tile::tile_ops<acc_t>();
     acc_t* s = ws.s.data();
-    score_product<scalar_t>(rows.q + q * rows.ld, rows.ld, rows.k + k0 * rows.ld, rows.ld, n, cols, g_.hd, s, cols,
-                            bf16_pack_ ? ws.pack.data() : nullptr);
+    score_product<scalar_t>(rows_from(q_block, r0), rows.k + k0 * rows.ld, rows.ld, n, cols, g_.hd, s, cols,
+                            bf16_pack_ ? ws.pack.data() : nullptr, panels.keys);
     acc_ops.softmax_tile(s, cols, n, cols, scale_, causal_offset(q, k0, cols), key_mask, ws.m.data() + r0,
                          ws.l.data() + r0, ws.alpha.data() + r0, ws.buf.data());
     if (drop_.has_value()) {  // after the row sums: they are the softmax's, before dropout
       acc_ops.dropout(s, nullptr, cols, n, cols, *drop_, static_cast<uint64_t>(bh), q, k0);
     }
-    const scalar_t* p = input_operand<scalar_t>(s, ws.p_in.data(), cols, n, cols);  // entries <= 1
-    blas::gemm(false, false, n, g_.hd, cols, acc_t(1), p, cols, rows.v + k0 * rows.ld, rows.ld, acc_t(0), ws.pv.data(),
-               g_.hd);
+    const auto p = input_operand<scalar_t>(s, ws.p_in.data(), ws.p_wide.data(), cols, n, cols, panels_);  // <= 1
+    row_product<scalar_t>(false, n, g_.hd, cols, p, rows.v + k0 * rows.ld, rows.ld, panels.values, false,
+                          ws.pv.data(), g_.hd);
     acc_ops.rescale_add(ws.o.data() + r0 * g_.hd, g_.hd, ws.pv.data(), g_.hd, n, g_.hd, ws.alpha.data() + r0);
   }
 
@@ -251,6 +312,7 @@ class ForwardPass {
   acc_t* lse_;
   const acc_t scale_;
   const bool bf16_pack_;
+  const bool panels_;  // the products on the micro-kernel (use_panel_gemm)
 };
 
 // ---- Backward -------------------------------------------------------------------------------------
@@ -259,7 +321,7 @@ class ForwardPass {
 template <typename scalar_t>
 struct BackwardWorkspace {
   using acc_t = at::opmath_type<scalar_t>;
-  BackwardWorkspace(int64_t T, int64_t hd, bool bf16_pack, bool dropout)
+  BackwardWorkspace(int64_t T, int64_t hd, bool bf16_pack, bool dropout, bool panels)
       : p(kBwdBlockQ * kBwdBlockK),
         dp(kBwdBlockQ * kBwdBlockK),
         p_drop(dropout ? kBwdBlockQ * kBwdBlockK : 0),
@@ -268,7 +330,9 @@ struct BackwardWorkspace {
         dq(T * hd),
         dk(kBwdBlockK * hd),
         dv(kBwdBlockK * hd),
-        pack(bf16_pack ? (hd / 2) * (kBwdBlockK + 32) : 0) {}
+        pack(bf16_pack ? (hd / 2) * (kBwdBlockK + 32) : 0),
+        p_wide(kReduced<scalar_t> && panels ? kBwdBlockQ * kBwdBlockK : 0),
+        ds_wide(kReduced<scalar_t> && panels ? kBwdBlockQ * kBwdBlockK : 0) {}
   std::vector<acc_t> p;          // P (from the saved lse)
   std::vector<acc_t> dp;         // dP, then dS
   std::vector<acc_t> p_drop;     // with dropout: P_drop
@@ -277,6 +341,10 @@ struct BackwardWorkspace {
   std::vector<acc_t> dq;         // (T, hd) of the head
   std::vector<acc_t> dk, dv;     // (block_k, hd) of the key block
   std::vector<uint32_t> pack;    // bf16_scores' packed keys
+  std::vector<acc_t> keys, values, key_rows;  // the micro-kernel's panels of the key block (tile_products.h)
+  std::vector<acc_t> query_rows, dout_rows;   // and of a query block's q and dO
+  std::vector<acc_t> q_wide, dout_wide;       // bfloat16 / half: the tile's q and dO widened
+  std::vector<acc_t> p_wide, ds_wide;         // bfloat16 / half: P (P_drop) and dS rounded, widened
 };
 
 template <typename scalar_t>
@@ -298,13 +366,14 @@ class BackwardPass {
         dout_(grad_out.const_data_ptr<scalar_t>()),
         grad_(grad_qkv.data_ptr<scalar_t>()),
         scale_(acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd))),
-        bf16_pack_(use_bf16_scores<scalar_t>(g.hd)) {}
+        bf16_pack_(use_bf16_scores<scalar_t>(g.hd)),
+        panels_(use_panel_gemm<scalar_t>()) {}
 
   // Work items are (batch, head), costing the keys of the sequence.
   void run() const {
     const auto order = costliest_first(g_.B * g_.H, [&](int64_t bh) { return summary_.key_end[bh / g_.H]; });
     run_items(
-        order, [&] { return BackwardWorkspace<scalar_t>(g_.T, g_.hd, bf16_pack_, drop_.has_value()); },
+        order, [&] { return BackwardWorkspace<scalar_t>(g_.T, g_.hd, bf16_pack_, drop_.has_value(), panels_); },
         [&](int64_t bh, BackwardWorkspace<scalar_t>& ws) { head(bh, ws); });
   }
 
@@ -346,9 +415,13 @@ class BackwardPass {
       const bool* key_mask = (st == kMixed) ? summary_.mask + b * g_.T + k0 : nullptr;
       std::fill(ws.dk.begin(), ws.dk.begin() + bk * g_.hd, acc_t(0));
       std::fill(ws.dv.begin(), ws.dv.begin() + bk * g_.hd, acc_t(0));
+      const KeyBlockPanels<acc_t> panels{
+          transposed_panels<scalar_t>(rows.k + k0 * rows.ld, rows.ld, bk, g_.hd, ws.keys),
+          transposed_panels<scalar_t>(rows.v + k0 * rows.ld, rows.ld, bk, g_.hd, ws.values),
+          row_panels<scalar_t>(rows.k + k0 * rows.ld, rows.ld, bk, g_.hd, ws.key_rows)};
       for (int64_t q0 = (k0 / kBwdBlockQ) * kBwdBlockQ; q0 < g_.T; q0 += kBwdBlockQ) {
         causal_tiles(q0, std::min(g_.T, q0 + kBwdBlockQ) - q0, k0, bk, [&](int64_t r0, int64_t r1, int64_t cols) {
-          tile(rows, b, h, q0 + r0, r1 - r0, k0, cols, key_mask, ws);
+          tile(rows, b, h, q0 + r0, r1 - r0, k0, cols, key_mask, panels, ws);
         });
       }
       const auto& ops = tile::tile_ops<scalar_t>();
@@ -362,7 +435,7 @@ class BackwardPass {
   // Queries q..q+n against keys k0..k0+cols: P, dP, then dV += P_drop^T dO, dS = scale * P (dP_drop - delta),
   // dQ += dS K, dK += dS^T Q. Products in the input type (P and dS rounded to it) with acc_t sums.
   void tile(const HeadRows<scalar_t>& rows, int64_t b, int64_t h, int64_t q, int64_t n, int64_t k0, int64_t cols,
-            const bool* key_mask, BackwardWorkspace<scalar_t>& ws) const {
+            const bool* key_mask, const KeyBlockPanels<acc_t>& panels, BackwardWorkspace<scalar_t>& ws) const {
     const auto& acc_ops = tile::tile_ops<acc_t>();
     const int64_t bh = b * g_.H + h;
     const int64_t hd = g_.hd;
@@ -370,13 +443,15 @@ class BackwardPass {
     const scalar_t* q_rows = rows.q + q * rows.ld;
     const scalar_t* k_rows = rows.k + k0 * rows.ld;
     const scalar_t* dout_rows = dout_ + (b * g_.T + q) * g_.dim + h * hd;  // ld dim
+    const auto q_op = operand<scalar_t>(q_rows, rows.ld, n, hd, panels_, ws.q_wide);
+    const auto dout_op = operand<scalar_t>(dout_rows, g_.dim, n, hd, panels_, ws.dout_wide);
     acc_t* p = ws.p.data();
     acc_t* dp = ws.dp.data();
     // P = exp(scale * q k^T - lse)
-    score_product<scalar_t>(q_rows, rows.ld, k_rows, rows.ld, n, cols, hd, p, cols, pack);
+    score_product<scalar_t>(q_op, k_rows, rows.ld, n, cols, hd, p, cols, pack, panels.keys);
     acc_ops.probabilities(p, cols, n, cols, scale_, causal_offset(q, k0, cols), key_mask, lse_ + bh * g_.T + q);
     // dP = dO v^T
-    score_product<scalar_t>(dout_rows, g_.dim, rows.v + k0 * rows.ld, rows.ld, n, cols, hd, dp, cols, pack);
+    score_product<scalar_t>(dout_op, rows.v + k0 * rows.ld, rows.ld, n, cols, hd, dp, cols, pack, panels.values);
     const acc_t* p_drop = p;
     if (drop_.has_value()) {  // P_drop = P * keep / (1 - p) and dP_drop = dP * keep / (1 - p)
       std::copy(p, p + n * cols, ws.p_drop.data());
@@ -384,14 +459,18 @@ class BackwardPass {
       p_drop = ws.p_drop.data();
     }
     // dV += P_drop^T dO
-    blas::gemm(true, false, cols, hd, n, acc_t(1), input_operand<scalar_t>(p_drop, ws.p_in.data(), cols, n, cols), cols,
-               dout_rows, g_.dim, acc_t(1), ws.dv.data(), hd);
+    const auto dout_panels = row_panels<scalar_t>(dout_rows, g_.dim, n, hd, ws.dout_rows);
+    row_product<scalar_t>(true, cols, hd, n,
+                          input_operand<scalar_t>(p_drop, ws.p_in.data(), ws.p_wide.data(), cols, n, cols, panels_),
+                          dout_rows, g_.dim, dout_panels, true, ws.dv.data(), hd);
     // dS = scale * P (dP_drop - delta), in the input type for the products that follow
     acc_ops.score_grad(dp, p, cols, n, cols, scale_, delta_ + (b * g_.T + q) * g_.H + h, g_.H);
-    const scalar_t* ds = input_operand<scalar_t>(dp, ws.ds_in.data(), cols, n, cols);
-    blas::gemm(false, false, n, hd, cols, acc_t(1), ds, cols, k_rows, rows.ld, acc_t(1), ws.dq.data() + q * hd,
-               hd);                                                                                   // dQ += dS K
-    blas::gemm(true, false, cols, hd, n, acc_t(1), ds, cols, q_rows, rows.ld, acc_t(1), ws.dk.data(), hd);  // dK += dS^T Q
+    const auto ds = input_operand<scalar_t>(dp, ws.ds_in.data(), ws.ds_wide.data(), cols, n, cols, panels_);
+    row_product<scalar_t>(false, n, hd, cols, ds, k_rows, rows.ld, panels.key_rows, true, ws.dq.data() + q * hd,
+                          hd);  // dQ += dS K
+    row_product<scalar_t>(true, cols, hd, n, ds, q_rows, rows.ld,
+                          row_panels<scalar_t>(q_rows, rows.ld, n, hd, ws.query_rows), true, ws.dk.data(),
+                          hd);  // dK += dS^T Q
   }
 
   const at::Tensor& qkv_;
@@ -405,6 +484,7 @@ class BackwardPass {
   scalar_t* grad_;        // (B, T, 3 * dim)
   const acc_t scale_;
   const bool bf16_pack_;
+  const bool panels_;  // the products on the micro-kernel (use_panel_gemm)
 };
 
 void check_cpu_inputs(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, int64_t n_heads) {

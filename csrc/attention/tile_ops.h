@@ -24,6 +24,9 @@ namespace causal_attention::tile {
 
 inline constexpr int64_t kNoCausal = std::numeric_limits<int64_t>::max() / 2;
 
+// Columns per panel of panel_gemm's B operand.
+inline constexpr int64_t kPanel = 16;
+
 template <typename scalar_t>
 struct TileOps {
   using acc_t = at::opmath_type<scalar_t>;
@@ -45,6 +48,9 @@ struct TileOps {
   // allowed key (l = 0) gets out = 0 and lse = +inf, so that the backward's probabilities are 0.
   void (*finalize)(const acc_t* acc, int64_t ld_acc, int64_t rows, int64_t cols, const acc_t* m, const acc_t* l,
                    scalar_t* out, int64_t ld_out, acc_t* lse);
+
+  // out[i, :] = x[i, :]   (widening to acc_t, exact)
+  void (*widen)(const scalar_t* x, int64_t ld_x, int64_t rows, int64_t cols, acc_t* out, int64_t ld_out);
 
   // out[i, :] = acc[i, :]   (conversion to the output dtype)
   void (*store)(const acc_t* acc, int64_t ld_acc, int64_t rows, int64_t cols, scalar_t* out, int64_t ld_out);
@@ -71,6 +77,22 @@ struct TileOps {
   // (vdpbf16ps). pack: scratch of at least (hd / 2) * (cols + 31) uint32. hd must be even.
   void (*bf16_scores)(const scalar_t* a, int64_t ld_a, const scalar_t* b, int64_t ld_b, int64_t rows, int64_t cols,
                       int64_t hd, float* s, int64_t ld_s, uint32_t* pack);
+
+  // float32 on AVX2 (else nullptr: the tile products go to BLAS; for bfloat16 / half the float32 one
+  // runs on operands widened by their pack_panels and widen). C (m x n, ldc) = A . B, or C += A . B
+  // when accumulate, by a register-blocked micro-kernel (6 rows x kPanel columns of C in registers, one
+  // fused multiply-add per product, summed in k order). A element (i, kk) at a[i * rs_a + kk * cs_a] (a
+  // row-major or a transposed operand alike); B element (kk, j) at b[(j / kPanel) * ps_b + kk * ld_b +
+  // j % kPanel]: either row-major rows (ps_b = kPanel, ld_b = the row stride) or pack_panels' layout
+  // (ps_b = k * kPanel, ld_b = kPanel). Reads and writes only the n columns of B and C.
+  void (*panel_gemm)(int64_t m, int64_t n, int64_t k, const scalar_t* a, int64_t rs_a, int64_t cs_a,
+                     const scalar_t* b, int64_t ld_b, int64_t ps_b, bool accumulate, scalar_t* c, int64_t ldc);
+
+  // Where float32's panel_gemm runs (float32, bfloat16, half; else nullptr): B (k x n, element (kk, j) =
+  // src[kk * rs + j * cs]) widened to acc_t into panels of kPanel columns, dst[(j / kPanel) * k * kPanel +
+  // kk * kPanel + j % kPanel], zero past n: ceil(n / kPanel) * k * kPanel values. The layout in which an
+  // operand (keys as columns or as rows) streams through the micro-kernel.
+  void (*pack_panels)(const scalar_t* src, int64_t rs, int64_t cs, int64_t k, int64_t n, acc_t* dst);
 
   // x = x rounded to the input type and back (rows x cols, ld): the operand that a product in the
   // input type would see. The identity for float and double.
