@@ -162,7 +162,7 @@ struct ForwardWorkspace {
   using acc_t = at::opmath_type<scalar_t>;
   ForwardWorkspace(int64_t hd, bool bf16_pack, bool panels)
       : s(kBlockQ * kBlockK),
-        p_in(kReduced<scalar_t> ? kBlockQ * kBlockK : 0),
+        p_in(kReduced<scalar_t> && !panels ? kBlockQ * kBlockK : 0),
         pv(kBlockQ * hd),
         o(kBlockQ * hd),
         m(kBlockQ),
@@ -217,7 +217,8 @@ class ForwardPass {
   int64_t block_panels_size() const { return key_panels_size() + panels_size(kBlockK, g_.hd); }
 
   // With the micro-kernel: the panels of every key block of every (batch, head) with a real key, packed
-  // in parallel once per call rather than once per query block that reads them (2/3 of qkv's size).
+  // in parallel once per call rather than once per query block that reads them (2/3 of qkv's elements
+  // in float32 when hd is a multiple of 16; the value panels round hd up to one).
   // Undefined (no memory) where the products go to BLAS.
   at::Tensor pack_key_blocks() const {
     if constexpr (std::is_same_v<acc_t, float>) {
@@ -325,8 +326,8 @@ struct BackwardWorkspace {
       : p(kBwdBlockQ * kBwdBlockK),
         dp(kBwdBlockQ * kBwdBlockK),
         p_drop(dropout ? kBwdBlockQ * kBwdBlockK : 0),
-        p_in(kReduced<scalar_t> ? kBwdBlockQ * kBwdBlockK : 0),
-        ds_in(kReduced<scalar_t> ? kBwdBlockQ * kBwdBlockK : 0),
+        p_in(kReduced<scalar_t> && !panels ? kBwdBlockQ * kBwdBlockK : 0),
+        ds_in(kReduced<scalar_t> && !panels ? kBwdBlockQ * kBwdBlockK : 0),
         dq(T * hd),
         dk(kBwdBlockK * hd),
         dv(kBwdBlockK * hd),

@@ -64,40 +64,45 @@ struct Panels {
 // Values in the panels of a k x n operand.
 inline int64_t panels_size(int64_t k, int64_t n) { return ceil_div(n, tile::kPanel) * tile::kPanel * k; }
 
-// b^T into dst (panels_size(hd, cols) values), b: cols x hd (ld_b): keys or values of a key block as the
-// transposed operand of score products (k = hd, n = cols). Only where use_panel_gemm.
+// b (k x n, element (kk, j) = b[kk * rs + j * cs]) into dst (panels_size(k, n) values), widened to acc_t.
+// Only where use_panel_gemm.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-Panels<acc_t> pack_transposed(const scalar_t* b, int64_t ld_b, int64_t cols, int64_t hd, acc_t* dst) {
-  tile::tile_ops<scalar_t>().pack_panels(b, 1, ld_b, hd, cols, dst);
-  return {dst, hd};
-}
-
-// b into dst (panels_size(k, n) values), b: k x n row-major (ld_b): values, keys, queries or dO as the
-// right operand of row_product. Only where use_panel_gemm.
-template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-Panels<acc_t> pack_rows(const scalar_t* b, int64_t ld_b, int64_t k, int64_t n, acc_t* dst) {
-  tile::tile_ops<scalar_t>().pack_panels(b, ld_b, 1, k, n, dst);
+Panels<acc_t> pack(const scalar_t* b, int64_t rs, int64_t cs, int64_t k, int64_t n, acc_t* dst) {
+  tile::tile_ops<scalar_t>().pack_panels(b, rs, cs, k, n, dst);
   return {dst, k};
 }
 
-// pack_transposed into buf (resized to fit) where the micro-kernel runs; else empty panels.
+// b^T into dst, b: cols x hd (ld_b): keys or values of a key block as the transposed operand of score
+// products (k = hd, n = cols).
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-Panels<acc_t> transposed_panels(const scalar_t* b, int64_t ld_b, int64_t cols, int64_t hd, std::vector<acc_t>& buf) {
-  if (!use_panel_gemm<scalar_t>()) {
-    return {};
-  }
-  buf.resize(static_cast<size_t>(panels_size(hd, cols)));
-  return pack_transposed(b, ld_b, cols, hd, buf.data());
+Panels<acc_t> pack_transposed(const scalar_t* b, int64_t ld_b, int64_t cols, int64_t hd, acc_t* dst) {
+  return pack(b, 1, ld_b, hd, cols, dst);
 }
 
-// pack_rows into buf (resized to fit) where the micro-kernel runs; else empty panels.
+// b into dst, b: k x n row-major (ld_b): values, keys, queries or dO as the right operand of row_product.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-Panels<acc_t> row_panels(const scalar_t* b, int64_t ld_b, int64_t k, int64_t n, std::vector<acc_t>& buf) {
+Panels<acc_t> pack_rows(const scalar_t* b, int64_t ld_b, int64_t k, int64_t n, acc_t* dst) {
+  return pack(b, ld_b, 1, k, n, dst);
+}
+
+// pack into buf (resized to fit) where the micro-kernel runs; else empty panels.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+Panels<acc_t> pack_into(std::vector<acc_t>& buf, const scalar_t* b, int64_t rs, int64_t cs, int64_t k, int64_t n) {
   if (!use_panel_gemm<scalar_t>()) {
     return {};
   }
   buf.resize(static_cast<size_t>(panels_size(k, n)));
-  return pack_rows(b, ld_b, k, n, buf.data());
+  return pack(b, rs, cs, k, n, buf.data());
+}
+
+// pack_transposed / pack_rows into buf where the micro-kernel runs; else empty panels.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+Panels<acc_t> transposed_panels(const scalar_t* b, int64_t ld_b, int64_t cols, int64_t hd, std::vector<acc_t>& buf) {
+  return pack_into(buf, b, 1, ld_b, hd, cols);
+}
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+Panels<acc_t> row_panels(const scalar_t* b, int64_t ld_b, int64_t k, int64_t n, std::vector<acc_t>& buf) {
+  return pack_into(buf, b, ld_b, 1, k, n);
 }
 
 // The left operand of a tile product (rows x cols): x in the input type (leading dimension ld) for BLAS
