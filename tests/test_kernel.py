@@ -243,3 +243,32 @@ def test_each_instruction_set_is_exact(capability):
     assert name == capability.upper()
     assert float(err) <= 2e-6 and finite == "True"
     assert float(bf16_ratio) <= 3.0
+
+
+_ONE_KEY_SCRIPT = """
+import torch, causal_attention
+torch.manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    qkv = (8 * torch.randn(3, 1, 3 * 4 * 12)).to(dtype).requires_grad_()
+    y = torch.ops.causal_attention.attention(qkv, None, 4)
+    g, = torch.autograd.grad(y, qkv, torch.randn_like(y))
+    print(torch.ops.causal_attention.cpu_capability(), dtype, g[..., :48].abs().max().item())
+"""
+
+
+def test_micro_kernel_one_key_gives_exact_zero_query_gradient():
+    """T = 1 on the AVX2 micro-kernel: the single weight is 1 whatever q is, so dQ = dS k with dS = P (dP - delta)
+    is 0. delta = dO . O is summed in the micro-kernel's order, so it cancels dP = dO . v bit for bit where O is
+    exactly v: bfloat16 and float16 (O rounded back to v) get exactly 0 (ATen's sum of delta left ~1e-5 there).
+    In float32 O = (P v) / P with P = exp(rounding residue) ~ 1 + 1e-7, so only a rounding residue is left
+    (the float32 fuzz run caught 1.2e-5 of relative error from it before delta was summed this way)."""
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("this CPU has no AVX2")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    result = subprocess.run([sys.executable, "-c", _ONE_KEY_SCRIPT], env=env, capture_output=True, text=True,
+                            check=True)
+    lines = result.stdout.split("\n")[:3]
+    for line in lines:
+        capability, dtype, dq = line.split()
+        assert capability == "AVX2", line
+        assert float(dq) <= (1e-4 if dtype == "torch.float32" else 0.0), line

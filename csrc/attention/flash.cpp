@@ -361,7 +361,7 @@ class BackwardPass {
         summary_(summarize(mask, g.B, g.T, kBwdBlockK)),
         drop_(drop),
         // delta[b, t, h] = sum_d dO[b, t, h, d] * O[b, t, h, d]   (O with dropout: sum_j P dP_drop, still)
-        delta_t_(delta(grad_out, out, g)),
+        delta_t_(delta(grad_out, out, g, use_panel_gemm<scalar_t>())),
         delta_(delta_t_.const_data_ptr<acc_t>()),
         lse_(lse.const_data_ptr<acc_t>()),
         dout_(grad_out.const_data_ptr<scalar_t>()),
@@ -379,9 +379,22 @@ class BackwardPass {
   }
 
  private:
-  static at::Tensor delta(const at::Tensor& grad_out, const at::Tensor& out, const Geometry& g) {
+  // With the micro-kernel (panels), in its summation order (tile_ops' fma_dots); else ATen's.
+  static at::Tensor delta(const at::Tensor& grad_out, const at::Tensor& out, const Geometry& g, bool panels) {
     const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
-    return (grad_out.to(acc_dtype) * out.to(acc_dtype)).view({g.B, g.T, g.H, g.hd}).sum(3).contiguous();
+    if (!panels) {
+      return (grad_out.to(acc_dtype) * out.to(acc_dtype)).view({g.B, g.T, g.H, g.hd}).sum(3).contiguous();
+    }
+    const auto dout = grad_out.contiguous();
+    const auto o = out.contiguous();
+    at::Tensor result = at::empty({g.B, g.T, g.H}, grad_out.options().dtype(acc_dtype));
+    const scalar_t* x = dout.const_data_ptr<scalar_t>();
+    const scalar_t* y = o.const_data_ptr<scalar_t>();
+    acc_t* d = result.data_ptr<acc_t>();
+    at::parallel_for(0, g.B * g.T * g.H, 4096, [&](int64_t r0, int64_t r1) {
+      tile::tile_ops<scalar_t>().fma_dots(x + r0 * g.hd, y + r0 * g.hd, r1 - r0, g.hd, d + r0);
+    });
+    return result;
   }
 
   // The rows of grad_qkv of sequence b (ld 3 * dim).

@@ -98,6 +98,11 @@ struct TileOps {
   // input type would see. The identity for float and double.
   void (*round_to_input)(acc_t* x, int64_t ld, int64_t rows, int64_t cols);
 
+  // out[r] = x[r, :] . y[r, :] for r < rows (rows of n contiguous values): one fused multiply-add per
+  // product from 0, in order, as panel_gemm sums, so that the backward's delta = dO . O cancels dP = dO . v
+  // bit for bit where O = v (one allowed key) instead of leaving a rounding residue in dS.
+  void (*fma_dots)(const scalar_t* x, const scalar_t* y, int64_t rows, int64_t n, acc_t* out);
+
   // Backward. In: dp = dO . v. Out: dp = scale * p * (dp - delta[i * delta_stride]).
   void (*score_grad)(scalar_t* dp, const scalar_t* p, int64_t ld, int64_t rows, int64_t cols, acc_t scale,
                      const acc_t* delta, int64_t delta_stride);

@@ -291,6 +291,19 @@ void widen(const scalar_t* x, int64_t ld_x, int64_t rows, int64_t cols, acc_t* o
 }
 
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void fma_dots(const scalar_t* x, const scalar_t* y, int64_t rows, int64_t n, acc_t* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* xr = x + r * n;
+    const scalar_t* yr = y + r * n;
+    acc_t acc = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      acc = std::fma(static_cast<acc_t>(xr[j]), static_cast<acc_t>(yr[j]), acc);
+    }
+    out[r] = acc;
+  }
+}
+
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void probabilities(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
                    const bool* key_mask, const acc_t* lse) {
   // One row of scratch on the stack per block of columns keeps this free of allocation.
@@ -879,6 +892,7 @@ TileOps<scalar_t> make_tile_ops() {
   ops.finalize = &finalize<scalar_t>;
   ops.store = &store<scalar_t>;
   ops.widen = &widen<scalar_t>;
+  ops.fma_dots = &fma_dots<scalar_t>;
   ops.decode_chunk = &decode_chunk<scalar_t>;
   ops.linear_rows = &linear_rows<scalar_t>;
   ops.probabilities = &probabilities<scalar_t>;
