@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from causal_attention import _ops
+from conftest import without_key_bias
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 
@@ -163,6 +164,10 @@ def test_demo_command_trains_like_one_process(single_demo, tmp_path, strategy):
     assert metrics["accuracy"] == single["accuracy"]
     ours, theirs = load_file(tmp_path / "model.safetensors"), load_file(single_dir / "model.safetensors")
     assert ours.keys() == theirs.keys()
+    # The key bias's gradient is rounding residue (zero in exact arithmetic), which Adam turns
+    # into steps of order lr: it is left out (conftest.without_key_bias), every other weight
+    # and the q and v biases are compared.
+    ours, theirs = without_key_bias(ours), without_key_bias(theirs)
     assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= 1e-4
 
 

@@ -231,7 +231,11 @@ def _main_distributed(strategy: str, *, steps: int, seed: int, out: Path, n_eval
 
     run = distributed.start(strategy)
     try:
-        return _train_distributed(run, steps=steps, seed=seed, out=out, n_eval=n_eval)
+        metrics = _train_distributed(run, steps=steps, seed=seed, out=out, n_eval=n_eval)
+        # The other ranks wait for rank 0's evaluation and files: a rank that tears its process
+        # group down and exits while a peer still holds the connection can abort in gloo.
+        torch.distributed.barrier()
+        return metrics
     finally:
         torch.distributed.destroy_process_group()
 
