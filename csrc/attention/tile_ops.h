@@ -67,10 +67,11 @@ struct TileOps {
 
   // A linear layer on a few rows (a decode step): y[m * ld_y + o] = x[m, :] . w[o, :] (+ bias[o]) for
   // m < rows and o0 <= o < o1. x: rows x in, acc_t, contiguous (bfloat16/half inputs widened by the
-  // caller); w: out x in, contiguous, streamed from memory once (8 of its rows at a time stay in L1
-  // while every x row passes); bias: nullptr or out values. Sums in acc_t, one rounding to the output.
-  void (*linear_rows)(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o0,
-                      int64_t o1, scalar_t* y, int64_t ld_y);
+  // caller); w: w_rows x in, contiguous, streamed from memory once (3 of its rows at a time stay in
+  // L1 while every x row passes, 4 x rows per pass; rows further on are prefetched meanwhile, never
+  // past w_rows); bias: nullptr or w_rows values. Sums in acc_t, one rounding to the output.
+  void (*linear_rows)(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, int64_t w_rows,
+                      const scalar_t* bias, int64_t o0, int64_t o1, scalar_t* y, int64_t ld_y);
 
   // bfloat16 only, where the CPU has AVX512-BF16 (else nullptr): s (rows x cols, float32, ld_s) =
   // a (rows x hd, ld_a) . b^T (b: cols x hd, ld_b), products of bfloat16 pairs summed in float32

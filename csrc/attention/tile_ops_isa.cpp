@@ -617,29 +617,119 @@ void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_
   }
 }
 
-template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void linear_rows(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o0,
-                 int64_t o1, scalar_t* y, int64_t ld_y) {
-  constexpr int kOut = 8;  // weight rows per pass: 8 x in values stay in L1 while the x rows pass
-  acc_t s[kOut];
-  const auto emit = [&](int64_t m, int64_t o, int n) {
-    for (int r = 0; r < n; ++r) {
-      const acc_t b = bias == nullptr ? acc_t(0) : static_cast<acc_t>(bias[o + r]);
-      y[m * ld_y + o + r] = static_cast<scalar_t>(s[r] + b);
-    }
-  };
-  int64_t o = o0;
-  for (; o + kOut <= o1; o += kOut) {
-    for (int64_t m = 0; m < rows; ++m) {
-      dot_rows<kOut>(x + m * in, w + o * in, in, in, s);
-      emit(m, o, kOut);
+// s[i * RO + r] = x[i] . w[r] for RM rows of x (acc_t) and RO rows of w, each dot product summed
+// as dot_rows sums it (lane-wise in k order, then across lanes, then the scalar tail): RM x RO
+// accumulators in registers, so each weight vector loaded feeds RM fused multiply-adds. Meanwhile
+// `lines` cache lines from pf are prefetched, spread evenly over the pass.
+template <int RM, int RO, typename scalar_t, typename acc_t>
+inline void linear_block(const acc_t* x, const scalar_t* w, int64_t in, acc_t* s, const char* pf, int64_t lines) {
+  acc_t sum[RM][RO] = {};
+  int64_t d = 0;
+  int64_t line = 0;
+  if constexpr (std::is_same_v<scalar_t, acc_t> || kReduced<scalar_t>) {
+    constexpr int64_t W = Vec<acc_t>::size();
+    const int64_t steps = in / W;
+    if (steps > 0) {
+      Vec<acc_t> acc[RM][RO];
+      for (int i = 0; i < RM; ++i) {
+        for (int r = 0; r < RO; ++r) {
+          acc[i][r] = Vec<acc_t>(0);
+        }
+      }
+      int64_t owed = 0;  // Bresenham: `lines` prefetches over `steps` steps
+      for (int64_t step = 0; step < steps; ++step, d += W) {
+        for (owed += lines; owed >= steps; owed -= steps, ++line) {
+          __builtin_prefetch(pf + 64 * line);
+        }
+        Vec<acc_t> wv[RO];
+        for (int r = 0; r < RO; ++r) {
+          wv[r] = load_acc<acc_t>(w + r * in + d);
+        }
+        for (int i = 0; i < RM; ++i) {
+          const Vec<acc_t> xv = Vec<acc_t>::loadu(x + i * in + d);
+          for (int r = 0; r < RO; ++r) {
+            acc[i][r] = at::vec::fmadd(xv, wv[r], acc[i][r]);
+          }
+        }
+      }
+      for (int i = 0; i < RM; ++i) {
+        for (int r = 0; r < RO; ++r) {
+          sum[i][r] = at::vec::vec_reduce_all<acc_t>(std::plus<Vec<acc_t>>(), acc[i][r]);
+        }
+      }
     }
   }
-  for (; o < o1; ++o) {
-    for (int64_t m = 0; m < rows; ++m) {
-      dot_rows<1>(x + m * in, w + o * in, in, in, s);
-      emit(m, o, 1);
+  for (; line < lines; ++line) {
+    __builtin_prefetch(pf + 64 * line);
+  }
+  for (; d < in; ++d) {
+    for (int i = 0; i < RM; ++i) {
+      for (int r = 0; r < RO; ++r) {
+        sum[i][r] += x[i * in + d] * static_cast<acc_t>(w[r * in + d]);
+      }
     }
+  }
+  for (int i = 0; i < RM; ++i) {
+    for (int r = 0; r < RO; ++r) {
+      s[i * RO + r] = sum[i][r];
+    }
+  }
+}
+
+// The RO weight rows at w against every row of x, in blocks of 4, 2 and 1 rows; the pf_lines cache
+// lines from pf are prefetched over the blocks, in proportion to their rows.
+template <int RO, typename scalar_t, typename acc_t>
+void linear_rows_block(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o,
+                       scalar_t* y, int64_t ld_y, const char* pf, int64_t pf_lines) {
+  acc_t s[4 * RO];
+  int64_t done = 0;  // lines prefetched so far
+  const auto run = [&](auto rm, int64_t m) {
+    constexpr int RM = decltype(rm)::value;
+    const int64_t lines = pf_lines * (m + RM) / rows - done;
+    linear_block<RM, RO>(x + m * in, w, in, s, pf + 64 * done, lines);
+    done += lines;
+    for (int i = 0; i < RM; ++i) {
+      for (int r = 0; r < RO; ++r) {
+        const acc_t b = bias == nullptr ? acc_t(0) : static_cast<acc_t>(bias[o + r]);
+        y[(m + i) * ld_y + o + r] = static_cast<scalar_t>(s[i * RO + r] + b);
+      }
+    }
+  };
+  int64_t m = 0;
+  for (; m + 4 <= rows; m += 4) {
+    run(std::integral_constant<int, 4>{}, m);
+  }
+  for (; m + 2 <= rows; m += 2) {
+    run(std::integral_constant<int, 2>{}, m);
+  }
+  for (; m < rows; ++m) {
+    run(std::integral_constant<int, 1>{}, m);
+  }
+}
+
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void linear_rows(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, int64_t w_rows, const scalar_t* bias,
+                 int64_t o0, int64_t o1, scalar_t* y, int64_t ld_y) {
+  // 3 weight rows per block (4 x 3 accumulators and 3 weight vectors fill AVX2's 16 registers); the
+  // rows kAhead blocks ahead are prefetched meanwhile, so that memory streams while the FMAs work.
+  constexpr int kOut = 3;
+  constexpr int64_t kAhead = 8;
+  const int64_t row_bytes = in * static_cast<int64_t>(sizeof(scalar_t));
+  const auto lines_of = [&](int64_t first, int64_t count) -> int64_t {  // of w's rows [first, first + count)
+    count = std::max<int64_t>(0, std::min(first + count, w_rows) - first);
+    return (count * row_bytes + 63) / 64;
+  };
+  const char* wb = reinterpret_cast<const char*>(w);
+  for (int64_t line = 0, n = lines_of(o0, kAhead * kOut); line < n; ++line) {
+    __builtin_prefetch(wb + o0 * row_bytes + 64 * line);
+  }
+  int64_t o = o0;
+  for (; o + kOut <= o1; o += kOut) {
+    const int64_t ahead = o + kAhead * kOut;
+    linear_rows_block<kOut>(x, rows, in, w + o * in, bias, o, y, ld_y, wb + ahead * row_bytes, lines_of(ahead, kOut));
+  }
+  for (; o < o1; ++o) {
+    linear_rows_block<1>(x, rows, in, w + o * in, bias, o, y, ld_y, wb, 0);
   }
 }
 
