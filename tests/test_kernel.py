@@ -245,6 +245,31 @@ def test_each_instruction_set_is_exact(capability):
     assert float(bf16_ratio) <= 3.0
 
 
+# The suites that compare the kernels with the reference and nn.MultiheadAttention in every dtype,
+# with padding, dropout and adversarial half-precision magnitudes.
+AVX2_SUITES = ("test_engine.py", "test_parity.py", "test_hardening.py", "test_dropout.py", "test_properties.py")
+
+
+def test_kernel_suites_on_the_avx2_micro_kernel_of_an_avx512_cpu():
+    """The float32 micro-kernel (and bfloat16/half on its widened operands) is AVX2's: a CPU whose
+    default is AVX-512 runs MKL's tile products instead, so there the kernel suites run once more
+    under ATEN_CPU_CAPABILITY=avx2 (about 80 s). On an AVX2 CPU the whole suite already runs the
+    micro-kernel."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX512":
+        pytest.skip(f"the default capability here is {capability}: the whole suite already ran on it")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    probe = subprocess.run([sys.executable, "-c", "import torch, causal_attention; "
+                            "print(torch.ops.causal_attention.cpu_capability())"],
+                           env=env, capture_output=True, text=True, check=True)
+    assert probe.stdout.split()[-1] == "AVX2", probe.stdout
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+           *(os.path.join(here, name) for name in AVX2_SUITES)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
 _ONE_KEY_SCRIPT = """
 import torch, causal_attention
 torch.manual_seed(0)

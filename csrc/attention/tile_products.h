@@ -170,6 +170,7 @@ void score_product(const Operand<scalar_t>& a, const scalar_t* b, int64_t ld_b, 
                    int64_t hd, acc_t* s, int64_t ld_s, uint32_t* pack, const Panels<acc_t>& panels = {}) {
   if constexpr (std::is_same_v<acc_t, float>) {
     if (panels.data != nullptr) {
+      TORCH_INTERNAL_ASSERT(a.wide != nullptr, "score_product: packed keys need the query operand in float32");
       tile::tile_ops<float>().panel_gemm(rows, cols, hd, a.wide, a.ld_wide, 1, panels.data, tile::kPanel,
                                          panels.k * tile::kPanel, false, s, ld_s);
       return;
@@ -177,10 +178,12 @@ void score_product(const Operand<scalar_t>& a, const scalar_t* b, int64_t ld_b, 
   }
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (pack != nullptr) {
+      TORCH_INTERNAL_ASSERT(a.x != nullptr, "score_product: the bfloat16 kernel needs the operand in bfloat16");
       tile::tile_ops<scalar_t>().bf16_scores(a.x, a.ld, b, ld_b, rows, cols, hd, s, ld_s, pack);
       return;
     }
   }
+  TORCH_INTERNAL_ASSERT(a.x != nullptr, "score_product: BLAS needs the operand in the input type");
   blas::gemm(false, true, rows, cols, hd, acc_t(1), a.x, a.ld, b, ld_b, acc_t(0), s, ld_s);
 }
 
@@ -192,11 +195,13 @@ void row_product(bool trans_a, int64_t m, int64_t n, int64_t k, const Operand<sc
                  int64_t ld_b, const Panels<acc_t>& panels, bool accumulate, acc_t* c, int64_t ldc) {
   if constexpr (std::is_same_v<acc_t, float>) {
     if (panels.data != nullptr) {
+      TORCH_INTERNAL_ASSERT(a.wide != nullptr, "row_product: packed panels need the left operand in float32");
       tile::tile_ops<float>().panel_gemm(m, n, k, a.wide, trans_a ? 1 : a.ld_wide, trans_a ? a.ld_wide : 1,
                                          panels.data, tile::kPanel, panels.k * tile::kPanel, accumulate, c, ldc);
       return;
     }
   }
+  TORCH_INTERNAL_ASSERT(a.x != nullptr, "row_product: BLAS needs the left operand in the input type");
   blas::gemm(trans_a, false, m, n, k, acc_t(1), a.x, a.ld, b, ld_b, accumulate ? acc_t(1) : acc_t(0), c, ldc);
 }
 
