@@ -593,6 +593,17 @@ inline void weighted_rows(const acc_t* p, const scalar_t* v, int64_t ld, int64_t
   }
 }
 
+// Asks for rows r of x (each `bytes` long, ld elements apart) to be brought into the caches.
+template <typename scalar_t>
+inline void prefetch_rows(const scalar_t* x, int64_t ld, int64_t rows, int64_t bytes) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = reinterpret_cast<const char*>(x + r * ld);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(row + b);
+    }
+  }
+}
+
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_t* v, int64_t ld, int64_t n,
                   int64_t hd, acc_t scale, int64_t causal_offset, acc_t* m, acc_t* l, acc_t* o, acc_t* buf) {
@@ -603,7 +614,11 @@ void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_
     }
     constexpr int kKeys = 8;  // keys per pass over the query row
     int64_t j = 0;
+    const int64_t row_bytes = hd * static_cast<int64_t>(sizeof(scalar_t));
     for (; j + kKeys <= visible; j += kKeys) {
+      if (i == 0) {  // the value rows of these keys, read after the scores: their memory streams meanwhile
+        prefetch_rows(v + j * ld, ld, kKeys, row_bytes);
+      }
       dot_rows<kKeys>(q + i * hd, k + j * ld, ld, hd, buf + j);
     }
     for (; j < visible; ++j) {
