@@ -95,9 +95,9 @@ struct TileOps {
   // operand (keys as columns or as rows) streams through the micro-kernel.
   void (*pack_panels)(const scalar_t* src, int64_t rs, int64_t cs, int64_t k, int64_t n, acc_t* dst);
 
-  // x = x rounded to the input type and back (rows x cols, ld): the operand that a product in the
-  // input type would see. The identity for float and double.
-  void (*round_to_input)(acc_t* x, int64_t ld, int64_t rows, int64_t cols);
+  // out (ld_out) = x (rows x cols, ld) rounded to the input type and back: the operand that a product
+  // in the input type would see (a copy for float and double). out may be x itself.
+  void (*round_to_input)(const acc_t* x, int64_t ld, int64_t rows, int64_t cols, acc_t* out, int64_t ld_out);
 
   // out[r] = x[r, :] . y[r, :] for r < rows (rows of n contiguous values): one fused multiply-add per
   // product from 0, in order, as panel_gemm sums, so that the backward's delta = dO . O cancels dP = dO . v

@@ -345,21 +345,25 @@ void score_grad(scalar_t* dp, const scalar_t* p, int64_t ld, int64_t rows, int64
 }
 
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void round_to_input([[maybe_unused]] acc_t* x, [[maybe_unused]] int64_t ld, [[maybe_unused]] int64_t rows,
-                    [[maybe_unused]] int64_t cols) {
-  if constexpr (!std::is_same_v<scalar_t, acc_t>) {
-    constexpr int64_t W = Vec<float>::size();
-    for (int64_t i = 0; i < rows; ++i) {
-      float* row = x + i * ld;
+void round_to_input(const acc_t* x, int64_t ld, int64_t rows, int64_t cols, acc_t* out, int64_t ld_out) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const acc_t* row = x + i * ld;
+    acc_t* dst = out + i * ld_out;
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      if (dst != row) {
+        std::copy(row, row + cols, dst);
+      }
+    } else {
+      constexpr int64_t W = Vec<float>::size();
       int64_t j = 0;
       for (; j + 2 * W <= cols; j += 2 * W) {
         const auto rounded = at::vec::convert_from_float<scalar_t>(Vec<float>::loadu(row + j), Vec<float>::loadu(row + j + W));
         const auto [lo, hi] = at::vec::convert_to_float<scalar_t>(rounded);
-        lo.store(row + j);
-        hi.store(row + j + W);
+        lo.store(dst + j);
+        hi.store(dst + j + W);
       }
       for (; j < cols; ++j) {
-        row[j] = static_cast<float>(static_cast<scalar_t>(row[j]));
+        dst[j] = static_cast<float>(static_cast<scalar_t>(row[j]));
       }
     }
   }

@@ -148,10 +148,7 @@ Operand<scalar_t> input_operand(const acc_t* x, [[maybe_unused]] scalar_t* buf, 
                                 bool panels) {
   if constexpr (kReduced<scalar_t>) {
     if (panels) {
-      for (int64_t i = 0; i < rows; ++i) {
-        std::copy(x + i * ld, x + i * ld + cols, wide_buf + i * ld);
-      }
-      tile::tile_ops<scalar_t>().round_to_input(wide_buf, ld, rows, cols);
+      tile::tile_ops<scalar_t>().round_to_input(x, ld, rows, cols, wide_buf, ld);
       return {nullptr, ld, wide_buf, ld};
     }
     tile::tile_ops<scalar_t>().store(x, ld, rows, cols, buf, ld);

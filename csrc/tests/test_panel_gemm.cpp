@@ -1,5 +1,6 @@
-// The float32 micro-kernel of the tile products (tile_ops.h: panel_gemm, pack_panels, widen), AVX2's
-// table called directly so that it is tested on any CPU with AVX2 whatever ATen's chosen capability:
+// The float32 micro-kernel of the tile products (tile_ops.h: panel_gemm, pack_panels, widen,
+// round_to_input), AVX2's table called directly so that it is tested on any CPU with AVX2 whatever
+// ATen's chosen capability:
 // bit for bit against a scalar fused multiply-add loop in k order (what the kernel computes), within
 // float32's bound of float64 products, for row-major, column-major and packed operands, partial
 // panels and blocks, accumulation, and never touching C past its n columns.
@@ -188,6 +189,34 @@ TEST(PanelGemm, WidensExactly) {
   if (has_avx2()) {
     check_widen(tile::AVX2::tile_ops_bfloat16(), torch::kBFloat16);
     check_widen(tile::AVX2::tile_ops_half(), torch::kHalf);
+  }
+}
+
+// round_to_input: float32 values rounded to the 16-bit type and back (ATen's rounding), into another
+// buffer (strided, nothing past cols written) or in place; a copy for float.
+template <typename scalar_t>
+void check_round(const tile::TileOps<scalar_t>& ops, torch::ScalarType dtype) {
+  for (const int64_t cols : {1, 7, 15, 16, 17, 33}) {
+    const auto x = torch::randn({5, cols + 2}) * 100;
+    const auto expected = x.narrow(1, 0, cols).to(dtype).to(torch::kFloat32);
+    auto out = torch::full({5, cols + 3}, std::numeric_limits<float>::quiet_NaN());
+    ops.round_to_input(x.const_data_ptr<float>(), cols + 2, 5, cols, out.data_ptr<float>(), cols + 3);
+    EXPECT_TRUE(torch::equal(out.narrow(1, 0, cols), expected)) << dtype << cols;
+    EXPECT_TRUE(out.narrow(1, cols, 3).isnan().all().item<bool>()) << dtype << cols;
+    auto in_place = x.clone();
+    ops.round_to_input(in_place.data_ptr<float>(), cols + 2, 5, cols, in_place.data_ptr<float>(), cols + 2);
+    EXPECT_TRUE(torch::equal(in_place.narrow(1, 0, cols), expected)) << dtype << cols;
+    EXPECT_TRUE(torch::equal(in_place.narrow(1, cols, 2), x.narrow(1, cols, 2))) << dtype << cols;
+  }
+}
+
+TEST(PanelGemm, RoundsToTheInputTypeExactly) {
+  check_round(tile::tile_ops<c10::BFloat16>(), torch::kBFloat16);
+  check_round(tile::tile_ops<c10::Half>(), torch::kHalf);
+  check_round(tile::tile_ops<float>(), torch::kFloat32);
+  if (has_avx2()) {
+    check_round(tile::AVX2::tile_ops_bfloat16(), torch::kBFloat16);
+    check_round(tile::AVX2::tile_ops_half(), torch::kHalf);
   }
 }
 
