@@ -29,7 +29,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from causal_attention import CausalSelfAttention, _ops
 from causal_attention import distributed as cad
 from causal_attention.gpt import GPT, GPTConfig
-from conftest import without_key_bias
+from key_bias import without_key_bias
 
 torch.set_num_threads(1)
 SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, float]]] = {}
@@ -135,7 +135,7 @@ def training_parity(make: Callable[[GPT], nn.Module], dist_loss: Callable[..., T
     Adam amplifies (its step is g / sqrt(v): a gradient near 0 has a relative rounding error of
     order 1); the distributed run, which only sums in another order, must be as close to the
     float64 run as the single-process float32 run is. The float32 comparisons leave out the key
-    bias (see conftest.without_key_bias): its value after the steps is rounding noise in every run."""
+    bias (see key_bias.without_key_bias): its value after the steps is rounding noise in every run."""
     model64 = gpt(torch.float64)
     model32 = copy.deepcopy(model64).float()
     single64, single32, distributed = copy.deepcopy(model64), copy.deepcopy(model32), make(model32)

@@ -266,7 +266,11 @@ def test_kernel_suites_on_the_avx2_micro_kernel_of_an_avx512_cpu():
     assert probe.stdout.split()[-1] == "AVX2", probe.stdout
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
            *(os.path.join(here, name) for name in AVX2_SUITES)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    except subprocess.TimeoutExpired as exc:
+        partial = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        raise AssertionError(f"the AVX2 run of {AVX2_SUITES} took over 1200 s; its output so far:\n{partial[-6000:]}")
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 

@@ -64,7 +64,7 @@ at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight_in,
     scalar_t* yp = y.data_ptr<scalar_t>();
     const auto& ops = tile::tile_ops<scalar_t>();
     at::parallel_for(0, ceil_div(out_features, kOutputBlock), 1, [&](int64_t begin, int64_t end) {
-      ops.linear_rows(xp, rows, in, wp, out_features, bp, begin * kOutputBlock, std::min(out_features, end * kOutputBlock), yp,
+      ops.linear_rows(xp, rows, in, wp, bp, begin * kOutputBlock, std::min(out_features, end * kOutputBlock), yp,
                       out_features);
     });
   });

@@ -67,11 +67,11 @@ struct TileOps {
 
   // A linear layer on a few rows (a decode step): y[m * ld_y + o] = x[m, :] . w[o, :] (+ bias[o]) for
   // m < rows and o0 <= o < o1. x: rows x in, acc_t, contiguous (bfloat16/half inputs widened by the
-  // caller); w: w_rows x in, contiguous, streamed from memory once (3 of its rows at a time stay in
-  // L1 while every x row passes, 4 x rows per pass; rows further on are prefetched meanwhile, never
-  // past w_rows); bias: nullptr or w_rows values. Sums in acc_t, one rounding to the output.
-  void (*linear_rows)(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, int64_t w_rows,
-                      const scalar_t* bias, int64_t o0, int64_t o1, scalar_t* y, int64_t ld_y);
+  // caller); w: out x in, contiguous, its rows o0..o1 streamed from memory once (3 at a time stay in
+  // L1 while every x row passes, 4 x rows per pass; the rows further on, up to o1, prefetched
+  // meanwhile); bias: nullptr or out values. Sums in acc_t, one rounding to the output.
+  void (*linear_rows)(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o0,
+                      int64_t o1, scalar_t* y, int64_t ld_y);
 
   // bfloat16 only, where the CPU has AVX512-BF16 (else nullptr): s (rows x cols, float32, ld_s) =
   // a (rows x hd, ld_a) . b^T (b: cols x hd, ld_b), products of bfloat16 pairs summed in float32
@@ -96,7 +96,8 @@ struct TileOps {
   void (*pack_panels)(const scalar_t* src, int64_t rs, int64_t cs, int64_t k, int64_t n, acc_t* dst);
 
   // out (ld_out) = x (rows x cols, ld) rounded to the input type and back: the operand that a product
-  // in the input type would see (a copy for float and double). out may be x itself.
+  // in the input type would see (a copy for float and double). out may be x itself (then ld_out ==
+  // ld); otherwise the two must not overlap.
   void (*round_to_input)(const acc_t* x, int64_t ld, int64_t rows, int64_t cols, acc_t* out, int64_t ld_out);
 
   // out[r] = x[r, :] . y[r, :] for r < rows (rows of n contiguous values): one fused multiply-add per

@@ -9,9 +9,11 @@
 #endif
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <cmath>
 #include <type_traits>
+#include <utility>
 
 #include "tile_ops.h"
 
@@ -346,6 +348,7 @@ void score_grad(scalar_t* dp, const scalar_t* p, int64_t ld, int64_t rows, int64
 
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void round_to_input(const acc_t* x, int64_t ld, int64_t rows, int64_t cols, acc_t* out, int64_t ld_out) {
+  TORCH_INTERNAL_ASSERT(out != x || ld_out == ld, "round_to_input: in place needs ld_out == ld");
   for (int64_t i = 0; i < rows; ++i) {
     const acc_t* row = x + i * ld;
     acc_t* dst = out + i * ld_out;
@@ -727,28 +730,34 @@ void linear_rows_block(const acc_t* x, int64_t rows, int64_t in, const scalar_t*
 }
 
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void linear_rows(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, int64_t w_rows, const scalar_t* bias,
-                 int64_t o0, int64_t o1, scalar_t* y, int64_t ld_y) {
+void linear_rows(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o0,
+                 int64_t o1, scalar_t* y, int64_t ld_y) {
   // 3 weight rows per block (4 x 3 accumulators and 3 weight vectors fill AVX2's 16 registers); the
   // rows kAhead blocks ahead are prefetched meanwhile, so that memory streams while the FMAs work.
   constexpr int kOut = 3;
   constexpr int64_t kAhead = 8;
-  const int64_t row_bytes = in * static_cast<int64_t>(sizeof(scalar_t));
-  const auto lines_of = [&](int64_t first, int64_t count) -> int64_t {  // of w's rows [first, first + count)
-    count = std::max<int64_t>(0, std::min(first + count, w_rows) - first);
-    return (count * row_bytes + 63) / 64;
+  // The cache lines of w's rows [first, first + count) within [o0, o1): from the line of their
+  // first byte to the line of their last; none when the range is empty.
+  const auto lines_of = [&](int64_t first, int64_t count) -> std::pair<const char*, int64_t> {
+    const int64_t last = std::min(first + count, o1);
+    if (first >= last) {
+      return {nullptr, 0};
+    }
+    const auto begin = reinterpret_cast<uintptr_t>(w + first * in) & ~uintptr_t(63);
+    const auto end = (reinterpret_cast<uintptr_t>(w + last * in) - 1) & ~uintptr_t(63);
+    return {reinterpret_cast<const char*>(begin), static_cast<int64_t>((end - begin) / 64 + 1)};
   };
-  const char* wb = reinterpret_cast<const char*>(w);
-  for (int64_t line = 0, n = lines_of(o0, kAhead * kOut); line < n; ++line) {
-    __builtin_prefetch(wb + o0 * row_bytes + 64 * line);
+  const auto [first_lines, n_first] = lines_of(o0, kAhead * kOut);
+  for (int64_t line = 0; line < n_first; ++line) {
+    __builtin_prefetch(first_lines + 64 * line);
   }
   int64_t o = o0;
   for (; o + kOut <= o1; o += kOut) {
-    const int64_t ahead = o + kAhead * kOut;
-    linear_rows_block<kOut>(x, rows, in, w + o * in, bias, o, y, ld_y, wb + ahead * row_bytes, lines_of(ahead, kOut));
+    const auto [pf, lines] = lines_of(o + kAhead * kOut, kOut);
+    linear_rows_block<kOut>(x, rows, in, w + o * in, bias, o, y, ld_y, pf, lines);
   }
   for (; o < o1; ++o) {
-    linear_rows_block<1>(x, rows, in, w + o * in, bias, o, y, ld_y, wb, 0);
+    linear_rows_block<1>(x, rows, in, w + o * in, bias, o, y, ld_y, nullptr, 0);
   }
 }
 

@@ -119,7 +119,8 @@ struct Operand {
 // Rows r0.. of an Operand.
 template <typename scalar_t>
 Operand<scalar_t> rows_from(const Operand<scalar_t>& a, int64_t r0) {
-  return {a.x + r0 * a.ld, a.ld, a.wide == nullptr ? nullptr : a.wide + r0 * a.ld_wide, a.ld_wide};
+  return {a.x == nullptr ? nullptr : a.x + r0 * a.ld, a.ld, a.wide == nullptr ? nullptr : a.wide + r0 * a.ld_wide,
+          a.ld_wide};
 }
 
 // x (rows x cols, ld) of the input type as an Operand, for the micro-kernel when panels (then widened
