@@ -202,12 +202,11 @@ class DecodePass {
       const int64_t visible_end = std::min(ke, start_[b] + r0 + rows);  // causal: the row block's last query
       for (int64_t k0 = ks; k0 < visible_end; k0 += kDecodeChunk) {
         const int64_t cols = std::min(visible_end, k0 + kDecodeChunk) - k0;
-        score_product<scalar_t>({q + r0 * ld_q_, ld_q_, nullptr, 0}, keys + k0 * hd_, hd_, rows, cols, hd_, s, cols,
-                                nullptr);
+        score_product<scalar_t>({q + r0 * ld_q_, ld_q_, nullptr, 0}, keys + k0 * hd_, hd_, rows, cols, hd_, s, cols);
         acc_ops.softmax_tile(s, cols, rows, cols, scale_, start_[b] + r0 - k0, nullptr, m + r0, l + r0,
                              ws.alpha.data(), ws.buf.data());
         const scalar_t* p = input_operand<scalar_t>(s, ws.p_in.data(), static_cast<acc_t*>(nullptr), cols, rows, cols,
-                                                    false).x;  // entries <= 1
+                                                    Products::kBlas).x;  // entries <= 1
         blas::gemm(false, false, rows, hd_, cols, acc_t(1), p, cols, values + k0 * hd_, hd_, acc_t(0), ws.pv.data(),
                    hd_);
         acc_ops.rescale_add(o + r0 * hd_, hd_, ws.pv.data(), hd_, rows, hd_, ws.alpha.data());

@@ -160,25 +160,25 @@ struct KeyBlockPanels {
 template <typename scalar_t>
 struct ForwardWorkspace {
   using acc_t = at::opmath_type<scalar_t>;
-  ForwardWorkspace(int64_t hd, bool bf16_pack, bool panels)
+  ForwardWorkspace(int64_t hd, Products products)
       : s(kBlockQ * kBlockK),
-        p_in(kReduced<scalar_t> && !panels ? kBlockQ * kBlockK : 0),
+        p_in(kReduced<scalar_t> && products == Products::kBlas ? kBlockQ * kBlockK : 0),
         pv(kBlockQ * hd),
         o(kBlockQ * hd),
         m(kBlockQ),
         l(kBlockQ),
         alpha(kBlockQ),
         buf(kBlockK),
-        pack(bf16_pack ? (hd / 2) * (kBlockK + 32) : 0),
-        p_wide(kReduced<scalar_t> && panels ? kBlockQ * kBlockK : 0) {}
+        p_wide(kReduced<scalar_t> && products == Products::kPanels ? kBlockQ * kBlockK : 0),
+        p_pairs(products == Products::kPairs ? kBlockQ * kBlockK : 0) {}
   std::vector<acc_t> s;         // scores, then P
-  std::vector<scalar_t> p_in;   // P in the input type (bfloat16 / half)
+  std::vector<scalar_t> p_in;   // BLAS, bfloat16 / half: P in the input type
   std::vector<acc_t> pv;        // P V of one tile
   std::vector<acc_t> o;         // (bq, hd) unnormalised output
   std::vector<acc_t> m, l, alpha, buf;  // running row max and sum, rescale factors, row scratch
-  std::vector<uint32_t> pack;   // bf16_scores' packed keys
-  std::vector<acc_t> q_wide;    // micro-kernel, bfloat16 / half: the query block widened
-  std::vector<acc_t> p_wide;    // micro-kernel, bfloat16 / half: P rounded to the input type, widened
+  std::vector<acc_t> q_wide;    // float32 micro-kernel, bfloat16 / half: the query block widened
+  std::vector<acc_t> p_wide;    // float32 micro-kernel, bfloat16 / half: P rounded to the input type, widened
+  std::vector<scalar_t> p_pairs;  // pair micro-kernel: P in bfloat16, rows of an even length
 };
 
 template <typename scalar_t>
@@ -195,8 +195,7 @@ class ForwardPass {
         out_(out.data_ptr<scalar_t>()),
         lse_(lse.data_ptr<acc_t>()),
         scale_(acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd))),
-        bf16_pack_(use_bf16_scores<scalar_t>(g.hd)),
-        panels_(use_panel_gemm<scalar_t>()) {}
+        products_(products_for<scalar_t>(g.hd)) {}
 
   // Work items are (batch, head, query block), costing the keys the block sees.
   void run() const {
@@ -207,38 +206,46 @@ class ForwardPass {
       return std::min(q_end, summary_.key_end[b]);
     });
     run_items(
-        order, [&] { return ForwardWorkspace<scalar_t>(g_.hd, bf16_pack_, panels_); },
+        order, [&] { return ForwardWorkspace<scalar_t>(g_.hd, products_); },
         [&](int64_t item, ForwardWorkspace<scalar_t>& ws) { query_block(item / g_.nq, item % g_.nq, panels, ws); });
   }
 
  private:
-  // The key block's panels in pack_key_blocks' buffer: keys transposed, then values as rows.
-  int64_t key_panels_size() const { return panels_size(g_.hd, kBlockK); }
-  int64_t block_panels_size() const { return key_panels_size() + panels_size(kBlockK, g_.hd); }
+  // The key block's panels in pack_key_blocks' buffer: keys transposed, then values as rows (float32
+  // values, or bfloat16 ones holding pairs).
+  int64_t key_panels_size() const {
+    return products_ == Products::kPairs ? pair_panels_size(g_.hd, kBlockK) : panels_size(g_.hd, kBlockK);
+  }
+  int64_t block_panels_size() const {
+    return key_panels_size() +
+           (products_ == Products::kPairs ? pair_panels_size(kBlockK, g_.hd) : panels_size(kBlockK, g_.hd));
+  }
 
-  // With the micro-kernel: the panels of every key block of every (batch, head) with a real key, packed
-  // in parallel once per call rather than once per query block that reads them (2/3 of qkv's elements
-  // in float32 when hd is a multiple of 16; the value panels round hd up to one).
-  // Undefined (no memory) where the products go to BLAS.
+  // With a micro-kernel: the panels of every key block of every (batch, head) with a real key, packed
+  // in parallel once per call rather than once per query block that reads them (2/3 of qkv's elements,
+  // in float32 for the float32 micro-kernel, in bfloat16 for pairs, when hd is a multiple of 16; the value
+  // panels round hd up to one). Undefined (no memory) where the products go to BLAS.
   at::Tensor pack_key_blocks() const {
     if constexpr (std::is_same_v<acc_t, float>) {
-      if (panels_) {
+      if (products_ == Products::kPairs) {
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          at::Tensor buf = at::empty({g_.B * g_.H * g_.nk * block_panels_size()}, at::kBFloat16);
+          scalar_t* base = buf.data_ptr<scalar_t>();
+          for_each_key_block([&](const HeadRows<scalar_t>& rows, int64_t i, int64_t k0, int64_t bk) {
+            scalar_t* dst = base + i * block_panels_size();
+            pack_pairs(rows.k + k0 * rows.ld, 1, rows.ld, g_.hd, bk, dst);
+            pack_pairs(rows.v + k0 * rows.ld, rows.ld, 1, bk, g_.hd, dst + key_panels_size());
+          });
+          return buf;
+        }
+      }
+      if (products_ == Products::kPanels) {
         at::Tensor buf = at::empty({g_.B * g_.H * g_.nk * block_panels_size()}, at::kFloat);
         float* base = buf.data_ptr<float>();
-        at::parallel_for(0, g_.B * g_.H * g_.nk, 1, [&](int64_t i0, int64_t i1) {
-          for (int64_t i = i0; i < i1; ++i) {
-            const int64_t bh = i / g_.nk;
-            const int64_t b = bh / g_.H;
-            const int64_t k0 = (i % g_.nk) * kBlockK;
-            if (summary_.status[b * g_.nk + i % g_.nk] == kNoneReal || k0 >= summary_.key_end[b]) {
-              continue;
-            }
-            const HeadRows<scalar_t> rows(qkv_, g_, b, bh % g_.H);
-            const int64_t bk = std::min(summary_.key_end[b], k0 + kBlockK) - k0;
-            float* dst = base + i * block_panels_size();
-            pack_transposed(rows.k + k0 * rows.ld, rows.ld, bk, g_.hd, dst);
-            pack_rows(rows.v + k0 * rows.ld, rows.ld, bk, g_.hd, dst + key_panels_size());
-          }
+        for_each_key_block([&](const HeadRows<scalar_t>& rows, int64_t i, int64_t k0, int64_t bk) {
+          float* dst = base + i * block_panels_size();
+          pack_transposed(rows.k + k0 * rows.ld, rows.ld, bk, g_.hd, dst);
+          pack_rows(rows.v + k0 * rows.ld, rows.ld, bk, g_.hd, dst + key_panels_size());
         });
         return buf;
       }
@@ -246,10 +253,31 @@ class ForwardPass {
     return {};
   }
 
+  // f(rows, i, k0, bk) in parallel for each key block i = bh * nk + kb with a real key: its (batch, head)'s
+  // rows, first key and keys up to the last real one.
+  template <typename F>
+  void for_each_key_block(const F& f) const {
+    at::parallel_for(0, g_.B * g_.H * g_.nk, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t bh = i / g_.nk;
+        const int64_t b = bh / g_.H;
+        const int64_t k0 = (i % g_.nk) * kBlockK;
+        if (summary_.status[b * g_.nk + i % g_.nk] == kNoneReal || k0 >= summary_.key_end[b]) {
+          continue;
+        }
+        f(HeadRows<scalar_t>(qkv_, g_, b, bh % g_.H), i, k0, std::min(summary_.key_end[b], k0 + kBlockK) - k0);
+      }
+    });
+  }
+
   // The panels of key block kb of (batch, head) bh in pack_key_blocks' buffer (empty when undefined).
   KeyBlockPanels<acc_t> block_panels(const at::Tensor& panels, int64_t bh, int64_t kb, int64_t bk) const {
     if (!panels.defined()) {
       return {};
+    }
+    if (products_ == Products::kPairs) {
+      const auto* block = static_cast<const c10::BFloat16*>(panels.const_data_ptr()) + (bh * g_.nk + kb) * block_panels_size();
+      return {{nullptr, g_.hd, block}, {nullptr, bk, block + key_panels_size()}, {}};
     }
     const acc_t* block = panels.const_data_ptr<acc_t>() + (bh * g_.nk + kb) * block_panels_size();
     return {{block, g_.hd}, {block + key_panels_size(), bk}, {}};
@@ -265,7 +293,7 @@ class ForwardPass {
     std::fill(ws.o.begin(), ws.o.begin() + bq * g_.hd, acc_t(0));
     std::fill(ws.m.begin(), ws.m.begin() + bq, -std::numeric_limits<acc_t>::infinity());
     std::fill(ws.l.begin(), ws.l.begin() + bq, acc_t(0));
-    const auto q_block = operand<scalar_t>(rows.q + q0 * rows.ld, rows.ld, bq, g_.hd, panels_, ws.q_wide);
+    const auto q_block = operand<scalar_t>(rows.q + q0 * rows.ld, rows.ld, bq, g_.hd, products_, ws.q_wide);
 
     const int64_t k_stop = std::min(q0 + bq, summary_.key_end[b]);  // causal, and no key past the last real one
     for (int64_t kb = 0; kb * kBlockK < k_stop; ++kb) {
@@ -293,13 +321,14 @@ class ForwardPass {
     const auto& acc_ops = tile::tile_ops<acc_t>();
     acc_t* s = ws.s.data();
     score_product<scalar_t>(rows_from(q_block, r0), rows.k + k0 * rows.ld, rows.ld, n, cols, g_.hd, s, cols,
-                            bf16_pack_ ? ws.pack.data() : nullptr, panels.keys);
+                            panels.keys);
     acc_ops.softmax_tile(s, cols, n, cols, scale_, causal_offset(q, k0, cols), key_mask, ws.m.data() + r0,
                          ws.l.data() + r0, ws.alpha.data() + r0, ws.buf.data());
     if (drop_.has_value()) {  // after the row sums: they are the softmax's, before dropout
       acc_ops.dropout(s, nullptr, cols, n, cols, *drop_, static_cast<uint64_t>(bh), q, k0);
     }
-    const auto p = input_operand<scalar_t>(s, ws.p_in.data(), ws.p_wide.data(), cols, n, cols, panels_);  // <= 1
+    const auto p = input_operand<scalar_t>(s, ws.p_in.data(), ws.p_wide.data(), cols, n, cols, products_,
+                                           {ws.p_pairs.data(), nullptr});  // entries <= 1
     row_product<scalar_t>(false, n, g_.hd, cols, p, rows.v + k0 * rows.ld, rows.ld, panels.values, false,
                           ws.pv.data(), g_.hd);
     acc_ops.rescale_add(ws.o.data() + r0 * g_.hd, g_.hd, ws.pv.data(), g_.hd, n, g_.hd, ws.alpha.data() + r0);
@@ -312,8 +341,7 @@ class ForwardPass {
   scalar_t* out_;
   acc_t* lse_;
   const acc_t scale_;
-  const bool bf16_pack_;
-  const bool panels_;  // the products on the micro-kernel (use_panel_gemm)
+  const Products products_;
 };
 
 // ---- Backward -------------------------------------------------------------------------------------
@@ -322,18 +350,20 @@ class ForwardPass {
 template <typename scalar_t>
 struct BackwardWorkspace {
   using acc_t = at::opmath_type<scalar_t>;
-  BackwardWorkspace(int64_t T, int64_t hd, bool bf16_pack, bool dropout, bool panels)
+  BackwardWorkspace(int64_t T, int64_t hd, bool dropout, Products products)
       : p(kBwdBlockQ * kBwdBlockK),
         dp(kBwdBlockQ * kBwdBlockK),
         p_drop(dropout ? kBwdBlockQ * kBwdBlockK : 0),
-        p_in(kReduced<scalar_t> && !panels ? kBwdBlockQ * kBwdBlockK : 0),
-        ds_in(kReduced<scalar_t> && !panels ? kBwdBlockQ * kBwdBlockK : 0),
+        p_in(kReduced<scalar_t> && products == Products::kBlas ? kBwdBlockQ * kBwdBlockK : 0),
+        ds_in(kReduced<scalar_t> && products == Products::kBlas ? kBwdBlockQ * kBwdBlockK : 0),
         dq(T * hd),
         dk(kBwdBlockK * hd),
         dv(kBwdBlockK * hd),
-        pack(bf16_pack ? (hd / 2) * (kBwdBlockK + 32) : 0),
-        p_wide(kReduced<scalar_t> && panels ? kBwdBlockQ * kBwdBlockK : 0),
-        ds_wide(kReduced<scalar_t> && panels ? kBwdBlockQ * kBwdBlockK : 0) {}
+        p_wide(kReduced<scalar_t> && products == Products::kPanels ? kBwdBlockQ * kBwdBlockK : 0),
+        ds_wide(kReduced<scalar_t> && products == Products::kPanels ? kBwdBlockQ * kBwdBlockK : 0),
+        p_tpairs(products == Products::kPairs ? kBwdBlockQ * kBwdBlockK : 0),
+        ds_pairs(products == Products::kPairs ? kBwdBlockQ * kBwdBlockK : 0),
+        ds_tpairs(products == Products::kPairs ? kBwdBlockQ * kBwdBlockK : 0) {}
   std::vector<acc_t> p;          // P (from the saved lse)
   std::vector<acc_t> dp;         // dP, then dS
   std::vector<acc_t> p_drop;     // with dropout: P_drop
@@ -341,11 +371,12 @@ struct BackwardWorkspace {
   std::vector<scalar_t> ds_in;   // bfloat16 / half: dS in the input type, for dS K and dS^T Q
   std::vector<acc_t> dq;         // (T, hd) of the head
   std::vector<acc_t> dk, dv;     // (block_k, hd) of the key block
-  std::vector<uint32_t> pack;    // bf16_scores' packed keys
-  std::vector<acc_t> keys, values, key_rows;  // the micro-kernel's panels of the key block (tile_products.h)
-  std::vector<acc_t> query_rows, dout_rows;   // and of a query block's q and dO
-  std::vector<acc_t> q_wide, dout_wide;       // bfloat16 / half: the tile's q and dO widened
-  std::vector<acc_t> p_wide, ds_wide;         // bfloat16 / half: P (P_drop) and dS rounded, widened
+  PanelBuffer<scalar_t> keys, values, key_rows;  // the micro-kernel's panels of the key block (tile_products.h)
+  PanelBuffer<scalar_t> query_rows, dout_rows;   // and of a query block's q and dO
+  std::vector<acc_t> q_wide, dout_wide;   // float32 micro-kernel, bfloat16 / half: the tile's q and dO widened
+  std::vector<acc_t> p_wide, ds_wide;     // float32 micro-kernel, bfloat16 / half: P (P_drop) and dS rounded, widened
+  std::vector<scalar_t> p_tpairs;         // pair micro-kernel: P (P_drop) transposed, in pairs
+  std::vector<scalar_t> ds_pairs, ds_tpairs;  // pair micro-kernel: dS in pairs, and transposed
 };
 
 template <typename scalar_t>
@@ -361,28 +392,27 @@ class BackwardPass {
         summary_(summarize(mask, g.B, g.T, kBwdBlockK)),
         drop_(drop),
         // delta[b, t, h] = sum_d dO[b, t, h, d] * O[b, t, h, d]   (O with dropout: sum_j P dP_drop, still)
-        delta_t_(delta(grad_out, out, g, use_panel_gemm<scalar_t>())),
+        products_(products_for<scalar_t>(g.hd)),
+        delta_t_(delta(grad_out, out, g, products_)),
         delta_(delta_t_.const_data_ptr<acc_t>()),
         lse_(lse.const_data_ptr<acc_t>()),
         dout_(grad_out.const_data_ptr<scalar_t>()),
         grad_(grad_qkv.data_ptr<scalar_t>()),
-        scale_(acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd))),
-        bf16_pack_(use_bf16_scores<scalar_t>(g.hd)),
-        panels_(use_panel_gemm<scalar_t>()) {}
+        scale_(acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd))) {}
 
   // Work items are (batch, head), costing the keys of the sequence.
   void run() const {
     const auto order = costliest_first(g_.B * g_.H, [&](int64_t bh) { return summary_.key_end[bh / g_.H]; });
     run_items(
-        order, [&] { return BackwardWorkspace<scalar_t>(g_.T, g_.hd, bf16_pack_, drop_.has_value(), panels_); },
+        order, [&] { return BackwardWorkspace<scalar_t>(g_.T, g_.hd, drop_.has_value(), products_); },
         [&](int64_t bh, BackwardWorkspace<scalar_t>& ws) { head(bh, ws); });
   }
 
  private:
-  // With the micro-kernel (panels), in its summation order (tile_ops' fma_dots); else ATen's.
-  static at::Tensor delta(const at::Tensor& grad_out, const at::Tensor& out, const Geometry& g, bool panels) {
+  // With a micro-kernel, in its summation order (tile_ops' fma_dots, pair_dots); else ATen's.
+  static at::Tensor delta(const at::Tensor& grad_out, const at::Tensor& out, const Geometry& g, Products products) {
     const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
-    if (!panels) {
+    if (products == Products::kBlas) {
       return (grad_out.to(acc_dtype) * out.to(acc_dtype)).view({g.B, g.T, g.H, g.hd}).sum(3).contiguous();
     }
     const auto dout = grad_out.contiguous();
@@ -392,7 +422,9 @@ class BackwardPass {
     const scalar_t* y = o.const_data_ptr<scalar_t>();
     acc_t* d = result.data_ptr<acc_t>();
     at::parallel_for(0, g.B * g.T * g.H, 4096, [&](int64_t r0, int64_t r1) {
-      tile::tile_ops<scalar_t>().fma_dots(x + r0 * g.hd, y + r0 * g.hd, r1 - r0, g.hd, d + r0);
+      const auto& ops = tile::tile_ops<scalar_t>();
+      (products == Products::kPairs ? ops.pair_dots : ops.fma_dots)(x + r0 * g.hd, y + r0 * g.hd, r1 - r0, g.hd,
+                                                                    d + r0);
     });
     return result;
   }
@@ -430,9 +462,9 @@ class BackwardPass {
       std::fill(ws.dk.begin(), ws.dk.begin() + bk * g_.hd, acc_t(0));
       std::fill(ws.dv.begin(), ws.dv.begin() + bk * g_.hd, acc_t(0));
       const KeyBlockPanels<acc_t> panels{
-          transposed_panels<scalar_t>(rows.k + k0 * rows.ld, rows.ld, bk, g_.hd, ws.keys),
-          transposed_panels<scalar_t>(rows.v + k0 * rows.ld, rows.ld, bk, g_.hd, ws.values),
-          row_panels<scalar_t>(rows.k + k0 * rows.ld, rows.ld, bk, g_.hd, ws.key_rows)};
+          transposed_panels<scalar_t>(rows.k + k0 * rows.ld, rows.ld, bk, g_.hd, ws.keys, products_),
+          transposed_panels<scalar_t>(rows.v + k0 * rows.ld, rows.ld, bk, g_.hd, ws.values, products_),
+          row_panels<scalar_t>(rows.k + k0 * rows.ld, rows.ld, bk, g_.hd, ws.key_rows, products_)};
       for (int64_t q0 = (k0 / kBwdBlockQ) * kBwdBlockQ; q0 < g_.T; q0 += kBwdBlockQ) {
         causal_tiles(q0, std::min(g_.T, q0 + kBwdBlockQ) - q0, k0, bk, [&](int64_t r0, int64_t r1, int64_t cols) {
           tile(rows, b, h, q0 + r0, r1 - r0, k0, cols, key_mask, panels, ws);
@@ -453,19 +485,18 @@ class BackwardPass {
     const auto& acc_ops = tile::tile_ops<acc_t>();
     const int64_t bh = b * g_.H + h;
     const int64_t hd = g_.hd;
-    uint32_t* pack = bf16_pack_ ? ws.pack.data() : nullptr;
     const scalar_t* q_rows = rows.q + q * rows.ld;
     const scalar_t* k_rows = rows.k + k0 * rows.ld;
     const scalar_t* dout_rows = dout_ + (b * g_.T + q) * g_.dim + h * hd;  // ld dim
-    const auto q_op = operand<scalar_t>(q_rows, rows.ld, n, hd, panels_, ws.q_wide);
-    const auto dout_op = operand<scalar_t>(dout_rows, g_.dim, n, hd, panels_, ws.dout_wide);
+    const auto q_op = operand<scalar_t>(q_rows, rows.ld, n, hd, products_, ws.q_wide);
+    const auto dout_op = operand<scalar_t>(dout_rows, g_.dim, n, hd, products_, ws.dout_wide);
     acc_t* p = ws.p.data();
     acc_t* dp = ws.dp.data();
     // P = exp(scale * q k^T - lse)
-    score_product<scalar_t>(q_op, k_rows, rows.ld, n, cols, hd, p, cols, pack, panels.keys);
+    score_product<scalar_t>(q_op, k_rows, rows.ld, n, cols, hd, p, cols, panels.keys);
     acc_ops.probabilities(p, cols, n, cols, scale_, causal_offset(q, k0, cols), key_mask, lse_ + bh * g_.T + q);
     // dP = dO v^T
-    score_product<scalar_t>(dout_op, rows.v + k0 * rows.ld, rows.ld, n, cols, hd, dp, cols, pack, panels.values);
+    score_product<scalar_t>(dout_op, rows.v + k0 * rows.ld, rows.ld, n, cols, hd, dp, cols, panels.values);
     const acc_t* p_drop = p;
     if (drop_.has_value()) {  // P_drop = P * keep / (1 - p) and dP_drop = dP * keep / (1 - p)
       std::copy(p, p + n * cols, ws.p_drop.data());
@@ -473,17 +504,19 @@ class BackwardPass {
       p_drop = ws.p_drop.data();
     }
     // dV += P_drop^T dO
-    const auto dout_panels = row_panels<scalar_t>(dout_rows, g_.dim, n, hd, ws.dout_rows);
+    const auto dout_panels = row_panels<scalar_t>(dout_rows, g_.dim, n, hd, ws.dout_rows, products_);
     row_product<scalar_t>(true, cols, hd, n,
-                          input_operand<scalar_t>(p_drop, ws.p_in.data(), ws.p_wide.data(), cols, n, cols, panels_),
+                          input_operand<scalar_t>(p_drop, ws.p_in.data(), ws.p_wide.data(), cols, n, cols, products_,
+                                                  {nullptr, ws.p_tpairs.data()}),
                           dout_rows, g_.dim, dout_panels, true, ws.dv.data(), hd);
     // dS = scale * P (dP_drop - delta), in the input type for the products that follow
     acc_ops.score_grad(dp, p, cols, n, cols, scale_, delta_ + (b * g_.T + q) * g_.H + h, g_.H);
-    const auto ds = input_operand<scalar_t>(dp, ws.ds_in.data(), ws.ds_wide.data(), cols, n, cols, panels_);
+    const auto ds = input_operand<scalar_t>(dp, ws.ds_in.data(), ws.ds_wide.data(), cols, n, cols, products_,
+                                            {ws.ds_pairs.data(), ws.ds_tpairs.data()});
     row_product<scalar_t>(false, n, hd, cols, ds, k_rows, rows.ld, panels.key_rows, true, ws.dq.data() + q * hd,
                           hd);  // dQ += dS K
     row_product<scalar_t>(true, cols, hd, n, ds, q_rows, rows.ld,
-                          row_panels<scalar_t>(q_rows, rows.ld, n, hd, ws.query_rows), true, ws.dk.data(),
+                          row_panels<scalar_t>(q_rows, rows.ld, n, hd, ws.query_rows, products_), true, ws.dk.data(),
                           hd);  // dK += dS^T Q
   }
 
@@ -491,14 +524,13 @@ class BackwardPass {
   const Geometry g_;
   const MaskSummary summary_;
   const OptionalDropout drop_;
+  const Products products_;
   const at::Tensor delta_t_;  // (B, T, H) acc_t, owns delta_
   const acc_t* delta_;
   const acc_t* lse_;
   const scalar_t* dout_;  // (B, T, dim)
   scalar_t* grad_;        // (B, T, 3 * dim)
   const acc_t scale_;
-  const bool bf16_pack_;
-  const bool panels_;  // the products on the micro-kernel (use_panel_gemm)
 };
 
 void check_cpu_inputs(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, int64_t n_heads) {

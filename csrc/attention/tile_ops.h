@@ -73,13 +73,31 @@ struct TileOps {
   void (*linear_rows)(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o0,
                       int64_t o1, scalar_t* y, int64_t ld_y);
 
-  // bfloat16 only, where the CPU has AVX512-BF16 (else nullptr): s (rows x cols, float32, ld_s) =
-  // a (rows x hd, ld_a) . b^T (b: cols x hd, ld_b), products of bfloat16 pairs summed in float32
-  // (vdpbf16ps). pack: scratch of at least (hd / 2) * (cols + 31) uint32. hd must be even.
-  void (*bf16_scores)(const scalar_t* a, int64_t ld_a, const scalar_t* b, int64_t ld_b, int64_t rows, int64_t cols,
-                      int64_t hd, float* s, int64_t ld_s, uint32_t* pack);
+  // bfloat16 only, where the CPU has AVX512-BF16 (else nullptr): the pair micro-kernel. C (m x n,
+  // float32, ldc) = A . B, or C += A . B when accumulate, over k2 pairs of k: pair (i, p) of A is the two
+  // bfloat16 A(i, 2p), A(i, 2p + 1) at a + i * rs_a + p * cs_a (adjacent in memory: a row-major A with
+  // rs_a = ld, cs_a = 2, or round_pairs_transposed's layout); B in pair_panels' layout (ps_b its panel
+  // stride). Each vdpbf16ps adds the two products of a pair (exact in float32) to the float32 sum of a
+  // lane, pairs in order. Reads and writes only the n columns of C.
+  void (*pair_gemm)(int64_t m, int64_t n, int64_t k2, const scalar_t* a, int64_t rs_a, int64_t cs_a,
+                    const scalar_t* b, int64_t ps_b, bool accumulate, float* c, int64_t ldc);
 
-  // float32 on AVX2 (else nullptr: the tile products go to BLAS; for bfloat16 / half the float32 one
+  // Where pair_gemm runs: B (k x n, element (kk, j) = src[kk * rs + j * cs]) as pairs along k in panels
+  // of kPanel columns: pair (p, j) = (B(2p, j), B(2p + 1, j)) at dst[(j / kPanel) * ps + p * 2 * kPanel +
+  // 2 * (j % kPanel)], ps = 2 * ceil(k / 2) * kPanel; zero past n and in an odd k's last half pair.
+  void (*pair_panels)(const scalar_t* src, int64_t rs, int64_t cs, int64_t k, int64_t n, scalar_t* dst);
+
+  // Where pair_gemm runs: x^T (x: rows x cols, float32, ld) as pair_gemm's A, rounded to bfloat16 as
+  // ATen rounds: pair (j, p) = (x[2p][j], x[2p + 1][j]) at dst + p * ld_dst + 2j (rs_a = 2, cs_a =
+  // ld_dst >= 2 cols), an odd rows' last pair completed with 0.
+  void (*round_pairs_transposed)(const acc_t* x, int64_t ld, int64_t rows, int64_t cols, scalar_t* dst,
+                                 int64_t ld_dst);
+
+  // Where pair_gemm runs: out[r] = x[r, :] . y[r, :] (rows of n bfloat16, n even), summed pair by pair
+  // as pair_gemm sums (so that the backward's delta = dO . O cancels dP = dO . v where O = v).
+  void (*pair_dots)(const scalar_t* x, const scalar_t* y, int64_t rows, int64_t n, acc_t* out);
+
+  // float32 on AVX2 and AVX512 (else nullptr: the tile products go to BLAS; for bfloat16 / half the float32 one
   // runs on operands widened by their pack_panels and widen). C (m x n, ldc) = A . B, or C += A . B
   // when accumulate, by a register-blocked micro-kernel (6 rows x kPanel columns of C in registers, one
   // fused multiply-add per product, summed in k order). A element (i, kk) at a[i * rs_a + kk * cs_a] (a

@@ -762,70 +762,187 @@ void linear_rows(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, co
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
+// ---- The bfloat16 pair micro-kernel (AVX512-BF16) --------------------------------------------------
+// vdpbf16ps adds, in each float32 lane, the two products of a pair of bfloat16 (exact in float32) to
+// the running sum. A pair is two consecutive bfloat16 in memory, read as one 32-bit lane.
 #define CA_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
-// R rows of a against 32 columns of the packed b: 2R float32 accumulators.
-template <int R>
-CA_BF16_TARGET inline void bf16_block(const c10::BFloat16* a, int64_t ld_a, const uint32_t* pack, int64_t pstride,
-                                      int64_t pairs, float* s, int64_t ld_s, int64_t cols_here) {
-  __m512 acc[R][2];
+inline uint16_t bits_of(c10::BFloat16 x) { return x.x; }
+
+// The pair at x broadcast to every lane.
+CA_BF16_TARGET inline __m512i broadcast_pair(const c10::BFloat16* x) {
+  uint32_t pair;
+  std::memcpy(&pair, x, sizeof(pair));
+  return _mm512_set1_epi32(static_cast<int>(pair));
+}
+
+// The first `count` of 16 lanes (count clamped to [0, 16]).
+inline __mmask16 lanes16(int64_t count) {
+  return count >= 16 ? __mmask16(0xFFFF) : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1);
+}
+
+// Pairs of lo[j] and hi[j] (16 bfloat16 each, as bits): lane j = lo[j] | hi[j] << 16.
+CA_BF16_TARGET inline __m512i interleave16(__m256i lo, __m256i hi) {
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+}
+
+// R rows of C against NP (1 or 2) panels of B, kPanel columns each (mask0 / mask1: the real ones), over
+// k2 pairs: R x NP float32 accumulators, each B vector feeding R products, each A pair NP.
+template <int R, int NP, bool kAccumulate>
+CA_BF16_TARGET inline void pair_block(int64_t k2, const c10::BFloat16* a, int64_t rs_a, int64_t cs_a,
+                                      const c10::BFloat16* b, int64_t ps_b, float* c, int64_t ldc, __mmask16 mask0,
+                                      __mmask16 mask1) {
+  __m512 acc[R][NP];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    acc[r][0] = _mm512_setzero_ps();
-    acc[r][1] = _mm512_setzero_ps();
-  }
-  for (int64_t p = 0; p < pairs; ++p) {
-    const __m512i b0 = _mm512_loadu_si512(pack + p * pstride);
-    const __m512i b1 = _mm512_loadu_si512(pack + p * pstride + 16);
-    for (int r = 0; r < R; ++r) {
-      uint32_t pair;
-      std::memcpy(&pair, a + r * ld_a + 2 * p, sizeof(pair));
-      const __m512i ar = _mm512_set1_epi32(static_cast<int>(pair));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)ar, (__m512bh)b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)ar, (__m512bh)b1);
+#pragma GCC unroll 2
+    for (int q = 0; q < NP; ++q) {
+      acc[r][q] = kAccumulate ? _mm512_maskz_loadu_ps(q == 0 ? mask0 : mask1, c + r * ldc + q * kPanel)
+                              : _mm512_setzero_ps();
     }
   }
-  const __mmask16 m0 = cols_here >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols_here) - 1);
-  const int64_t rest = cols_here - 16;
-  const __mmask16 m1 = rest >= 16 ? __mmask16(0xFFFF) : (rest <= 0 ? __mmask16(0) : __mmask16((1u << rest) - 1));
+  for (int64_t p = 0; p < k2; ++p) {
+    __m512bh bv[NP];
+#pragma GCC unroll 2
+    for (int q = 0; q < NP; ++q) {
+      bv[q] = (__m512bh)_mm512_loadu_si512(b + q * ps_b + p * 2 * kPanel);
+    }
+    const c10::BFloat16* ap = a + p * cs_a;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh av = (__m512bh)broadcast_pair(ap + r * rs_a);
+#pragma GCC unroll 2
+      for (int q = 0; q < NP; ++q) {
+        acc[r][q] = _mm512_dpbf16_ps(acc[r][q], av, bv[q]);
+      }
+    }
+  }
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(s + r * ld_s, m0, acc[r][0]);
-    _mm512_mask_storeu_ps(s + r * ld_s + 16, m1, acc[r][1]);
+#pragma GCC unroll 2
+    for (int q = 0; q < NP; ++q) {
+      _mm512_mask_storeu_ps(c + r * ldc + q * kPanel, q == 0 ? mask0 : mask1, acc[r][q]);
+    }
   }
 }
 
-CA_BF16_TARGET void bf16_scores(const c10::BFloat16* a, int64_t ld_a, const c10::BFloat16* b, int64_t ld_b,
-                                int64_t rows, int64_t cols, int64_t hd, float* s, int64_t ld_s, uint32_t* pack) {
-  const int64_t pairs = hd / 2;
-  const int64_t pstride = (cols + 31) / 32 * 32;  // uint32 per pair row, whole 32-column blocks
-  // pack[p][j] = (b[j][2p], b[j][2p + 1]); zero past cols.
-  for (int64_t j = 0; j < pstride; ++j) {
-    if (j < cols) {
-      for (int64_t p = 0; p < pairs; ++p) {
-        std::memcpy(&pack[p * pstride + j], b + j * ld_b + 2 * p, sizeof(uint32_t));
-      }
+// Every row of A against NP panels: blocks of 12 rows (24 accumulators + 2 B vectors + a pair: 27 of
+// the 32 zmm registers), then the remainder.
+template <int NP, bool kAccumulate>
+void pair_rows(int64_t m, int64_t k2, const c10::BFloat16* a, int64_t rs_a, int64_t cs_a, const c10::BFloat16* b,
+               int64_t ps_b, float* c, int64_t ldc, int64_t cols) {
+  constexpr int kRows = 12;
+  const __mmask16 mask0 = lanes16(cols);
+  const __mmask16 mask1 = lanes16(cols - kPanel);
+  int64_t i = 0;
+  for (; i + kRows <= m; i += kRows) {
+    pair_block<kRows, NP, kAccumulate>(k2, a + i * rs_a, rs_a, cs_a, b, ps_b, c + i * ldc, ldc, mask0, mask1);
+  }
+  const c10::BFloat16* a_rest = a + i * rs_a;
+  float* c_rest = c + i * ldc;
+#define CA_PAIR_REST(R) \
+  case R: pair_block<R, NP, kAccumulate>(k2, a_rest, rs_a, cs_a, b, ps_b, c_rest, ldc, mask0, mask1); break;
+  switch (m - i) {
+    CA_PAIR_REST(11) CA_PAIR_REST(10) CA_PAIR_REST(9) CA_PAIR_REST(8) CA_PAIR_REST(7) CA_PAIR_REST(6)
+    CA_PAIR_REST(5) CA_PAIR_REST(4) CA_PAIR_REST(3) CA_PAIR_REST(2) CA_PAIR_REST(1)
+    default: break;
+  }
+#undef CA_PAIR_REST
+}
+
+// Two panels at a time: their k2 x 2 kPanel pairs of B stay in L1 while every row of A passes.
+void pair_gemm(int64_t m, int64_t n, int64_t k2, const c10::BFloat16* a, int64_t rs_a, int64_t cs_a,
+               const c10::BFloat16* b, int64_t ps_b, bool accumulate, float* c, int64_t ldc) {
+  for (int64_t j0 = 0; j0 < n; j0 += 2 * kPanel) {
+    const c10::BFloat16* panels = b + (j0 / kPanel) * ps_b;
+    const int64_t cols = std::min(2 * kPanel, n - j0);
+    if (cols > kPanel) {
+      (accumulate ? &pair_rows<2, true> : &pair_rows<2, false>)(m, k2, a, rs_a, cs_a, panels, ps_b, c + j0, ldc,
+                                                                  cols);
     } else {
-      for (int64_t p = 0; p < pairs; ++p) {
-        pack[p * pstride + j] = 0;
+      (accumulate ? &pair_rows<1, true> : &pair_rows<1, false>)(m, k2, a, rs_a, cs_a, panels, ps_b, c + j0, ldc,
+                                                                  cols);
+    }
+  }
+}
+
+// B (k x n, element (kk, j) = src[kk * rs + j * cs]) as pairs along k in panels of kPanel columns: pair
+// (p, j) = (B(2p, j), B(2p + 1, j)) at dst[(j / kPanel) * ps + p * 2 * kPanel + 2 * (j % kPanel)], ps =
+// 2 * ceil(k / 2) * kPanel; zero past n and, for an odd k, in the last pair's second half.
+CA_BF16_TARGET void pair_panels(const c10::BFloat16* src, int64_t rs, int64_t cs, int64_t k, int64_t n,
+                                c10::BFloat16* dst) {
+  const int64_t k2 = (k + 1) / 2;
+  const int64_t ps = 2 * k2 * kPanel;
+  for (int64_t j0 = 0; j0 < n; j0 += kPanel) {
+    c10::BFloat16* panel = dst + (j0 / kPanel) * ps;
+    const int64_t width = std::min(kPanel, n - j0);
+    if (cs == 1 && width == kPanel) {  // B's rows: two rows' 16 values interleaved
+      for (int64_t p = 0; p < k2; ++p) {
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * p * rs + j0));
+        const __m256i hi = 2 * p + 1 < k
+                               ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + (2 * p + 1) * rs + j0))
+                               : _mm256_setzero_si256();
+        _mm512_storeu_si512(panel + p * 2 * kPanel, interleave16(lo, hi));
+      }
+      continue;
+    }
+    // Element by element (B's columns: a key row's pairs are already adjacent in memory).
+    for (int64_t j = 0; j < kPanel; ++j) {
+      const c10::BFloat16* col = j < width ? src + (j0 + j) * cs : nullptr;
+      for (int64_t p = 0; p < k2; ++p) {
+        c10::BFloat16* pair = panel + p * 2 * kPanel + 2 * j;
+        pair[0] = col != nullptr ? col[2 * p * rs] : c10::BFloat16(0.0f);
+        pair[1] = col != nullptr && 2 * p + 1 < k ? col[(2 * p + 1) * rs] : c10::BFloat16(0.0f);
       }
     }
   }
-  for (int64_t j0 = 0; j0 < cols; j0 += 32) {
-    const int64_t cols_here = std::min<int64_t>(32, cols - j0);
-    int64_t i0 = 0;
-    for (; i0 + 8 <= rows; i0 += 8) {
-      bf16_block<8>(a + i0 * ld_a, ld_a, pack + j0, pstride, pairs, s + i0 * ld_s + j0, ld_s, cols_here);
+}
+
+// The transposed operand A = x^T (cols x rows) of a float32 tile x (rows x cols, ld) as pairs along
+// x's rows, rounded to bfloat16 as ATen rounds: pair (j, p) = (x[2p][j], x[2p + 1][j]) at dst + p * ld_dst
+// + 2j (the second half 0 for an odd rows' last pair). ld_dst >= 2 cols.
+CA_BF16_TARGET void round_pairs_transposed(const float* x, int64_t ld, int64_t rows, int64_t cols,
+                                           c10::BFloat16* dst, int64_t ld_dst) {
+  constexpr int64_t W = Vec<float>::size();  // 16
+  alignas(64) c10::BFloat16 both[2 * W];
+  for (int64_t p = 0; p < (rows + 1) / 2; ++p) {
+    const float* lo = x + 2 * p * ld;
+    const float* hi = 2 * p + 1 < rows ? lo + ld : nullptr;
+    c10::BFloat16* out = dst + p * ld_dst;
+    int64_t j = 0;
+    for (; j + W <= cols; j += W) {
+      const Vec<float> h = hi != nullptr ? Vec<float>::loadu(hi + j) : Vec<float>(0.0f);
+      at::vec::convert_from_float<c10::BFloat16>(Vec<float>::loadu(lo + j), h).store(both);
+      const __m256i l16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(both));
+      const __m256i h16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(both + W));
+      _mm512_storeu_si512(out + 2 * j, interleave16(l16, h16));
     }
-    for (; i0 < rows; ++i0) {
-      bf16_block<1>(a + i0 * ld_a, ld_a, pack + j0, pstride, pairs, s + i0 * ld_s + j0, ld_s, cols_here);
+    for (; j < cols; ++j) {
+      out[2 * j] = c10::BFloat16(lo[j]);
+      out[2 * j + 1] = hi != nullptr ? c10::BFloat16(hi[j]) : c10::BFloat16(0.0f);
     }
+  }
+}
+
+// out[r] = x[r, :] . y[r, :] (rows of n bfloat16, n even) summed pair by pair with vdpbf16ps from 0, as
+// pair_gemm sums a dot product: the backward's delta = dO . O then cancels dP = dO . v bit for bit where
+// O = v.
+CA_BF16_TARGET void pair_dots(const c10::BFloat16* x, const c10::BFloat16* y, int64_t rows, int64_t n, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t p = 0; p < n / 2; ++p) {
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)broadcast_pair(x + r * n + 2 * p),
+                             (__m512bh)broadcast_pair(y + r * n + 2 * p));
+    }
+    out[r] = _mm512_cvtss_f32(acc);
   }
 }
 #undef CA_BF16_TARGET
 #endif
 
 
-#if defined(CPU_CAPABILITY_AVX2)
-// ---- The float32 micro-kernel (AVX2 + FMA) ---------------------------------------------------------
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// ---- The float32 micro-kernel (AVX2 + FMA; the same code in the AVX512 build) ---------------------------------------------------------
 
 // Lanes [0, 8) of a 256-bit mask for the first `count` of 8 floats (count clamped to [0, 8]).
 inline __m256i lane_mask(int64_t count) {
@@ -1017,10 +1134,13 @@ TileOps<scalar_t> make_tile_ops() {
   ops.score_grad = &score_grad<scalar_t>;
   ops.round_to_input = &round_to_input<scalar_t>;
   ops.dropout = &dropout<scalar_t>;
-  ops.bf16_scores = nullptr;
   ops.panel_gemm = nullptr;
   ops.pack_panels = nullptr;
-#if defined(CPU_CAPABILITY_AVX2)
+  ops.pair_gemm = nullptr;
+  ops.pair_panels = nullptr;
+  ops.round_pairs_transposed = nullptr;
+  ops.pair_dots = nullptr;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<scalar_t, float>) {
     ops.panel_gemm = &panel_gemm;
     ops.pack_panels = &pack_panels;
@@ -1031,7 +1151,10 @@ TileOps<scalar_t> make_tile_ops() {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (__builtin_cpu_supports("avx512bf16")) {
-      ops.bf16_scores = &bf16_scores;
+      ops.pair_gemm = &pair_gemm;
+      ops.pair_panels = &pair_panels;
+      ops.round_pairs_transposed = &round_pairs_transposed;
+      ops.pair_dots = &pair_dots;
     }
   }
 #endif

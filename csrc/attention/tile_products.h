@@ -36,14 +36,15 @@ inline int64_t row_stride(const at::Tensor& x) { return x.size(1) == 1 ? x.size(
 template <typename scalar_t>
 constexpr bool kReduced = !std::is_same_v<scalar_t, at::opmath_type<scalar_t>>;
 
-// Whether the AVX512-BF16 score micro-kernel runs (bfloat16 on a CPU that has it, even head_dim).
-template <typename scalar_t>
-bool use_bf16_scores(int64_t hd) {
-  return tile::tile_ops<scalar_t>().bf16_scores != nullptr && hd % 2 == 0;
-}
+// How the tile products of a call run.
+enum class Products : uint8_t {
+  kBlas,    // BLAS in the input type (double; CPUs without AVX2)
+  kPanels,  // the float32 micro-kernel (tile_ops' panel_gemm); bfloat16 / half on operands widened exactly
+  kPairs,   // bfloat16 on a CPU with AVX512-BF16 and an even head_dim: the pair micro-kernel (pair_gemm)
+};
 
-// Whether the tile products of scalar_t run on the float32 micro-kernel (tile_ops' panel_gemm, AVX2),
-// bfloat16 and half on operands widened exactly to float32, rather than BLAS. Not for double.
+// Whether the tile products of scalar_t run on the float32 micro-kernel (tile_ops' panel_gemm, AVX2 and
+// AVX512), bfloat16 and half on operands widened exactly to float32, rather than BLAS. Not for double.
 template <typename scalar_t>
 bool use_panel_gemm() {
   if constexpr (std::is_same_v<at::opmath_type<scalar_t>, float>) {
@@ -53,82 +54,148 @@ bool use_panel_gemm() {
   }
 }
 
-// An operand packed for the micro-kernel (tile_ops' pack_panels): a k x n matrix in panels of
-// tile::kPanel columns; data == nullptr where the products go to BLAS (which reads operands in place).
+// The products of a call with head_dim hd.
+template <typename scalar_t>
+Products products_for(int64_t hd) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (tile::tile_ops<scalar_t>().pair_gemm != nullptr && hd % 2 == 0) {
+      return Products::kPairs;
+    }
+  }
+  return use_panel_gemm<scalar_t>() ? Products::kPanels : Products::kBlas;
+}
+
+// An operand packed for a micro-kernel: a k x n matrix in panels of tile::kPanel columns, float32
+// (pack_panels: data) or pairs of bfloat16 along k (pair_panels: pairs); both nullptr where the products
+// go to BLAS (which reads operands in place).
 template <typename acc_t>
 struct Panels {
   const acc_t* data = nullptr;
-  int64_t k = 0;  // rows packed: a product may use the first k' <= k of them
+  int64_t k = 0;  // rows packed: a product may use the first k' <= k of them (k' even, or k' = k, for pairs)
+  const c10::BFloat16* pairs = nullptr;
 };
 
-// Values in the panels of a k x n operand.
+// Values in the panels of a k x n operand: float32 ones, and bfloat16 pairs (2 ceil(k / 2) rows).
 inline int64_t panels_size(int64_t k, int64_t n) { return ceil_div(n, tile::kPanel) * tile::kPanel * k; }
+inline int64_t pair_panels_size(int64_t k, int64_t n) { return panels_size(2 * ceil_div(k, 2), n); }
+// The stride between panels of pairs of a k x n operand.
+inline int64_t pair_panel_stride(int64_t k) { return 2 * ceil_div(k, 2) * tile::kPanel; }
 
 // b (k x n, element (kk, j) = b[kk * rs + j * cs]) into dst (panels_size(k, n) values), widened to acc_t.
 // Only where use_panel_gemm.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 Panels<acc_t> pack(const scalar_t* b, int64_t rs, int64_t cs, int64_t k, int64_t n, acc_t* dst) {
   tile::tile_ops<scalar_t>().pack_panels(b, rs, cs, k, n, dst);
-  return {dst, k};
+  return {dst, k, nullptr};
 }
 
-// b^T into dst, b: cols x hd (ld_b): keys or values of a key block as the transposed operand of score
+// The same as pairs of bfloat16 along k into dst (pair_panels_size(k, n) values). Only for Products::kPairs.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+Panels<acc_t> pack_pairs(const scalar_t* b, int64_t rs, int64_t cs, int64_t k, int64_t n, scalar_t* dst) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    tile::tile_ops<scalar_t>().pair_panels(b, rs, cs, k, n, dst);
+    return {nullptr, k, dst};
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "pack_pairs: bfloat16 only");
+    return {};
+  }
+}
+
+// Packed b^T, b: cols x hd (ld_b): keys or values of a key block as the transposed operand of score
 // products (k = hd, n = cols).
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 Panels<acc_t> pack_transposed(const scalar_t* b, int64_t ld_b, int64_t cols, int64_t hd, acc_t* dst) {
   return pack(b, 1, ld_b, hd, cols, dst);
 }
 
-// b into dst, b: k x n row-major (ld_b): values, keys, queries or dO as the right operand of row_product.
+// Packed b, b: k x n row-major (ld_b): values, keys, queries or dO as the right operand of row_product.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 Panels<acc_t> pack_rows(const scalar_t* b, int64_t ld_b, int64_t k, int64_t n, acc_t* dst) {
   return pack(b, ld_b, 1, k, n, dst);
 }
 
-// pack into buf (resized to fit) where the micro-kernel runs; else empty panels.
+// The scratch a packed operand lives in: float32 panels or bfloat16 pairs.
+template <typename scalar_t>
+struct PanelBuffer {
+  std::vector<at::opmath_type<scalar_t>> wide;
+  std::vector<scalar_t> pairs;
+};
+
+// b packed into buf (resized to fit) for the products' micro-kernel; empty panels for BLAS.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-Panels<acc_t> pack_into(std::vector<acc_t>& buf, const scalar_t* b, int64_t rs, int64_t cs, int64_t k, int64_t n) {
-  if (!use_panel_gemm<scalar_t>()) {
-    return {};
+Panels<acc_t> pack_into(PanelBuffer<scalar_t>& buf, Products products, const scalar_t* b, int64_t rs, int64_t cs,
+                        int64_t k, int64_t n) {
+  switch (products) {
+    case Products::kPanels:
+      buf.wide.resize(static_cast<size_t>(panels_size(k, n)));
+      return pack(b, rs, cs, k, n, buf.wide.data());
+    case Products::kPairs:
+      buf.pairs.resize(static_cast<size_t>(pair_panels_size(k, n)));
+      return pack_pairs(b, rs, cs, k, n, buf.pairs.data());
+    case Products::kBlas:
+      break;
   }
-  buf.resize(static_cast<size_t>(panels_size(k, n)));
-  return pack(b, rs, cs, k, n, buf.data());
+  return {};
 }
 
-// pack_transposed / pack_rows into buf where the micro-kernel runs; else empty panels.
+// b^T (b: cols x hd, ld_b) / b (k x n row-major, ld_b) packed into buf; empty panels for BLAS.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-Panels<acc_t> transposed_panels(const scalar_t* b, int64_t ld_b, int64_t cols, int64_t hd, std::vector<acc_t>& buf) {
-  return pack_into(buf, b, 1, ld_b, hd, cols);
+Panels<acc_t> transposed_panels(const scalar_t* b, int64_t ld_b, int64_t cols, int64_t hd, PanelBuffer<scalar_t>& buf,
+                                Products products) {
+  return pack_into(buf, products, b, 1, ld_b, hd, cols);
 }
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-Panels<acc_t> row_panels(const scalar_t* b, int64_t ld_b, int64_t k, int64_t n, std::vector<acc_t>& buf) {
-  return pack_into(buf, b, ld_b, 1, k, n);
+Panels<acc_t> row_panels(const scalar_t* b, int64_t ld_b, int64_t k, int64_t n, PanelBuffer<scalar_t>& buf,
+                         Products products) {
+  return pack_into(buf, products, b, ld_b, 1, k, n);
 }
 
-// The left operand of a tile product (rows x cols): x in the input type (leading dimension ld) for BLAS
-// and the bfloat16 kernel; `wide` in acc_t (ld_wide) for the micro-kernel: x itself for float, an exact
-// widening for bfloat16 / half, nullptr where the micro-kernel does not run.
+// A left operand as pairs of bfloat16 along its k: pair (i, p) at x + i * rs + p * cs (pair_gemm's A).
+struct PairView {
+  const c10::BFloat16* x = nullptr;
+  int64_t rs = 0, cs = 0;
+};
+
+// The left operand of a tile product (rows x cols): x in the input type (leading dimension ld) for BLAS;
+// `wide` in acc_t (ld_wide) for the float32 micro-kernel: x itself for float, an exact widening for
+// bfloat16 / half, nullptr where it does not run; for the pair micro-kernel, `pairs` as the operand itself
+// (pairs along its columns) and `tpairs` as its transpose (pairs along its rows), each where a product
+// reads it that way.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 struct Operand {
   const scalar_t* x;
   int64_t ld;
   const acc_t* wide;
   int64_t ld_wide;
+  PairView pairs = {};
+  PairView tpairs = {};
 };
 
-// Rows r0.. of an Operand.
+// Rows r0.. of an Operand (not of its transposed pairs).
 template <typename scalar_t>
 Operand<scalar_t> rows_from(const Operand<scalar_t>& a, int64_t r0) {
-  return {a.x == nullptr ? nullptr : a.x + r0 * a.ld, a.ld, a.wide == nullptr ? nullptr : a.wide + r0 * a.ld_wide,
-          a.ld_wide};
+  TORCH_INTERNAL_ASSERT(a.tpairs.x == nullptr, "rows_from: an operand read transposed");
+  return {a.x == nullptr ? nullptr : a.x + r0 * a.ld,
+          a.ld,
+          a.wide == nullptr ? nullptr : a.wide + r0 * a.ld_wide,
+          a.ld_wide,
+          {a.pairs.x == nullptr ? nullptr : a.pairs.x + r0 * a.pairs.rs, a.pairs.rs, a.pairs.cs},
+          {}};
 }
 
-// x (rows x cols, ld) of the input type as an Operand, for the micro-kernel when panels (then widened
-// into buf, resized to fit, for bfloat16 / half).
+// x (rows x cols, ld) of the input type as an Operand: for the float32 micro-kernel widened into buf
+// (resized to fit) for bfloat16 / half; for the pair micro-kernel read in place (cols even, as head_dim is
+// there).
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-Operand<scalar_t> operand(const scalar_t* x, int64_t ld, int64_t rows, int64_t cols, bool panels,
+Operand<scalar_t> operand(const scalar_t* x, int64_t ld, int64_t rows, int64_t cols, Products products,
                           std::vector<acc_t>& buf) {
-  if (!panels) {
+  if (products == Products::kPairs) {
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      TORCH_INTERNAL_ASSERT(cols % 2 == 0, "operand: pairs along an odd number of columns");
+      return {x, ld, nullptr, 0, {x, ld, 2}, {}};
+    }
+  }
+  if (products != Products::kPanels) {
     return {x, ld, nullptr, 0};
   }
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
@@ -140,44 +207,75 @@ Operand<scalar_t> operand(const scalar_t* x, int64_t ld, int64_t rows, int64_t c
   }
 }
 
+// Where the forms of a tile (P, dS) that the pair micro-kernel reads are written: as pairs along its
+// rows' columns (`rows`, rows x even(cols) values) and transposed (`transposed`, ceil(rows / 2) x 2 cols
+// values); nullptr for a form no product reads.
+template <typename scalar_t>
+struct PairScratch {
+  scalar_t* rows = nullptr;
+  scalar_t* transposed = nullptr;
+};
+
 // x (rows x cols, acc_t, ld: P or dS) as the operand of a product in the input type: x itself for
-// float and double; for bfloat16 / half, x rounded to the input type, into buf for BLAS or, for the
-// micro-kernel (panels), rounded and widened back into wide_buf (x is left as it is).
+// float and double; for bfloat16 / half, x rounded to the input type: into buf for BLAS; for the float32
+// micro-kernel rounded and widened back into wide_buf; for the pair micro-kernel into the forms of
+// `pairs` asked for (x is left as it is).
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 Operand<scalar_t> input_operand(const acc_t* x, [[maybe_unused]] scalar_t* buf, [[maybe_unused]] acc_t* wide_buf,
                                 int64_t ld, [[maybe_unused]] int64_t rows, [[maybe_unused]] int64_t cols,
-                                bool panels) {
+                                Products products, [[maybe_unused]] const PairScratch<scalar_t>& pairs = {}) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (products == Products::kPairs) {
+      const auto& ops = tile::tile_ops<scalar_t>();
+      Operand<scalar_t> a{nullptr, ld, nullptr, 0};
+      if (pairs.rows != nullptr) {
+        const int64_t ld_rows = 2 * ceil_div(cols, 2);
+        ops.store(x, ld, rows, cols, pairs.rows, ld_rows);
+        if (cols % 2 != 0) {
+          for (int64_t i = 0; i < rows; ++i) {
+            pairs.rows[i * ld_rows + cols] = c10::BFloat16(0.0f);
+          }
+        }
+        a.pairs = {pairs.rows, ld_rows, 2};
+      }
+      if (pairs.transposed != nullptr) {
+        ops.round_pairs_transposed(x, ld, rows, cols, pairs.transposed, 2 * cols);
+        a.tpairs = {pairs.transposed, 2, 2 * cols};
+      }
+      return a;
+    }
+  }
   if constexpr (kReduced<scalar_t>) {
-    if (panels) {
+    if (products == Products::kPanels) {
       tile::tile_ops<scalar_t>().round_to_input(x, ld, rows, cols, wide_buf, ld);
       return {nullptr, ld, wide_buf, ld};
     }
     tile::tile_ops<scalar_t>().store(x, ld, rows, cols, buf, ld);
     return {buf, ld, nullptr, 0};
   } else {
-    return {x, ld, panels ? x : nullptr, ld};
+    return {x, ld, products == Products::kPanels ? x : nullptr, ld};
   }
 }
 
 // s (rows x cols, acc_t, ld_s) = a . b^T, a: rows x hd, b: cols x hd (ld_b), both in the input type:
-// on the micro-kernel from b's transposed_panels (when packed; the first cols keys of them) and a.wide;
-// bfloat16 on a CPU with AVX512-BF16 by the vdpbf16ps micro-kernel (pack: its scratch, else nullptr);
-// else BLAS.
+// on a micro-kernel from b's transposed_panels (when packed; the first cols keys of them) and a.wide or
+// a.pairs; else BLAS.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void score_product(const Operand<scalar_t>& a, const scalar_t* b, int64_t ld_b, int64_t rows, int64_t cols,
-                   int64_t hd, acc_t* s, int64_t ld_s, uint32_t* pack, const Panels<acc_t>& panels = {}) {
+                   int64_t hd, acc_t* s, int64_t ld_s, const Panels<acc_t>& panels = {}) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (panels.pairs != nullptr) {
+      TORCH_INTERNAL_ASSERT(a.pairs.x != nullptr && panels.k == hd, "score_product: pairs need the operand's pairs");
+      tile::tile_ops<scalar_t>().pair_gemm(rows, cols, ceil_div(hd, 2), a.pairs.x, a.pairs.rs, a.pairs.cs,
+                                           panels.pairs, pair_panel_stride(hd), false, s, ld_s);
+      return;
+    }
+  }
   if constexpr (std::is_same_v<acc_t, float>) {
     if (panels.data != nullptr) {
       TORCH_INTERNAL_ASSERT(a.wide != nullptr, "score_product: packed keys need the query operand in float32");
       tile::tile_ops<float>().panel_gemm(rows, cols, hd, a.wide, a.ld_wide, 1, panels.data, tile::kPanel,
                                          panels.k * tile::kPanel, false, s, ld_s);
-      return;
-    }
-  }
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (pack != nullptr) {
-      TORCH_INTERNAL_ASSERT(a.x != nullptr, "score_product: the bfloat16 kernel needs the operand in bfloat16");
-      tile::tile_ops<scalar_t>().bf16_scores(a.x, a.ld, b, ld_b, rows, cols, hd, s, ld_s, pack);
       return;
     }
   }
@@ -187,10 +285,21 @@ void score_product(const Operand<scalar_t>& a, const scalar_t* b, int64_t ld_b, 
 
 // c (m x n, acc_t, ldc) = op(a) . b, or c += op(a) . b when accumulate. op(a) is m x k (a stored k x m
 // when trans_a, its leading dimensions either way); b is k x n row-major (ld_b): values, keys, queries
-// or dO, on the micro-kernel from its row_panels (when packed: the first k rows of them), else BLAS.
+// or dO, on a micro-kernel from its row_panels (when packed: the first k rows of them), else BLAS.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void row_product(bool trans_a, int64_t m, int64_t n, int64_t k, const Operand<scalar_t>& a, const scalar_t* b,
                  int64_t ld_b, const Panels<acc_t>& panels, bool accumulate, acc_t* c, int64_t ldc) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (panels.pairs != nullptr) {
+      const PairView& view = trans_a ? a.tpairs : a.pairs;
+      // An odd k short of the packed rows would pair its last value with the next row's.
+      TORCH_INTERNAL_ASSERT(view.x != nullptr && (k == panels.k || (k % 2 == 0 && k <= panels.k)),
+                            "row_product: pairs need the operand's pairs and k even or all the packed rows");
+      tile::tile_ops<scalar_t>().pair_gemm(m, n, ceil_div(k, 2), view.x, view.rs, view.cs, panels.pairs,
+                                           pair_panel_stride(panels.k), accumulate, c, ldc);
+      return;
+    }
+  }
   if constexpr (std::is_same_v<acc_t, float>) {
     if (panels.data != nullptr) {
       TORCH_INTERNAL_ASSERT(a.wide != nullptr, "row_product: packed panels need the left operand in float32");

@@ -18,12 +18,19 @@ TileOps<float> tile_ops_float();
 TileOps<c10::BFloat16> tile_ops_bfloat16();
 TileOps<c10::Half> tile_ops_half();
 }  // namespace causal_attention::tile::AVX2
+namespace causal_attention::tile::AVX512 {
+TileOps<float> tile_ops_float();
+}  // namespace causal_attention::tile::AVX512
 
 namespace {
 
 namespace tile = causal_attention::tile;
 
 bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+bool has_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
 
 // How the B operand (k x n) is handed to panel_gemm.
 enum class BLayout { kRowsInPlace, kPackedRows, kPackedTransposed };
@@ -108,12 +115,25 @@ void check_case(const tile::TileOps<float>& ops, const Case& c) {
   EXPECT_TRUE(torch::equal(c_mat.narrow(1, n, 3), c_before.narrow(1, n, 3))) << describe(c);
 }
 
+void check_all_cases(const tile::TileOps<float>& ops);
+
 TEST(PanelGemm, MatchesFusedMultiplyAddInKOrder) {
   if (!has_avx2()) {
     GTEST_SKIP() << "the micro-kernel is built for AVX2 + FMA, which this CPU lacks";
   }
+  check_all_cases(tile::AVX2::tile_ops_float());
+}
+
+// The AVX512 build runs the same micro-kernel (compiled with the AVX-512 flags).
+TEST(PanelGemm, MatchesFusedMultiplyAddInKOrderInTheAvx512Build) {
+  if (!has_avx512()) {
+    GTEST_SKIP() << "this CPU has no AVX-512";
+  }
+  check_all_cases(tile::AVX512::tile_ops_float());
+}
+
+void check_all_cases(const tile::TileOps<float>& ops) {
   torch::manual_seed(0);
-  const auto ops = tile::AVX2::tile_ops_float();
   ASSERT_NE(ops.panel_gemm, nullptr);
   for (const int64_t m : {1, 5, 6, 7, 13, 64}) {
     for (const int64_t n : {1, 8, 15, 16, 17, 40, 64}) {

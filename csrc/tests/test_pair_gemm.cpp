@@ -1,0 +1,259 @@
+// The bfloat16 pair micro-kernel of the tile products (tile_ops.h: pair_gemm, pair_panels,
+// round_pairs_transposed, pair_dots), AVX512's table called directly; skipped on CPUs without
+// AVX512-BF16 (where the table leaves them nullptr, which is tested too).
+// pair_gemm is exact where every product and partial sum is (small integers), within float32's error
+// bound of the float64 product otherwise, for row-major and transposed A, B packed from rows or from
+// columns, odd k, partial panels and row blocks, accumulation, and never touching C past its n columns.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "attention/tile_ops.h"
+
+namespace causal_attention::tile::AVX512 {
+TileOps<c10::BFloat16> tile_ops_bfloat16();
+}  // namespace causal_attention::tile::AVX512
+
+namespace {
+
+namespace tile = causal_attention::tile;
+using c10::BFloat16;
+
+bool has_avx512_bf16() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16");
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+uint16_t bits(BFloat16 x) { return x.x; }
+
+// The pair panels' value (p, j, half) of dst: element (2p + half, j) of B.
+BFloat16 panel_value(const std::vector<BFloat16>& dst, int64_t k, int64_t p, int64_t j, int64_t half) {
+  const int64_t ps = 2 * ceil_div(k, 2) * tile::kPanel;
+  return dst[(j / tile::kPanel) * ps + p * 2 * tile::kPanel + 2 * (j % tile::kPanel) + half];
+}
+
+TEST(PairGemm, OnlyWhereTheCpuHasAvx512Bf16) {
+  if (!has_avx512_bf16()) {
+    // The AVX512 table exists on any x86-64 build; without the instructions it must not offer them.
+    if (__builtin_cpu_supports("avx512f")) {
+      EXPECT_EQ(tile::AVX512::tile_ops_bfloat16().pair_gemm, nullptr);
+    }
+    GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  }
+  const auto ops = tile::AVX512::tile_ops_bfloat16();
+  EXPECT_NE(ops.pair_gemm, nullptr);
+  EXPECT_NE(ops.pair_panels, nullptr);
+  EXPECT_NE(ops.round_pairs_transposed, nullptr);
+  EXPECT_NE(ops.pair_dots, nullptr);
+}
+
+// pair_panels' layout: B (k x n) read from rows (cs = 1) or from columns (rs = 1), pairs along k, zero
+// past n and in an odd k's last half pair.
+TEST(PairGemm, PacksPairPanelsExactly) {
+  if (!has_avx512_bf16()) {
+    GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  }
+  const auto ops = tile::AVX512::tile_ops_bfloat16();
+  torch::manual_seed(0);
+  for (const int64_t k : {1, 2, 7, 8, 19, 64}) {
+    for (const int64_t n : {1, 15, 16, 17, 33, 64}) {
+      for (const bool transposed : {false, true}) {
+        const auto src = transposed ? torch::randn({n, k + 4}).to(torch::kBFloat16)
+                                    : torch::randn({k, n + 4}).to(torch::kBFloat16);
+        const int64_t rs = transposed ? 1 : n + 4;
+        const int64_t cs = transposed ? k + 4 : 1;
+        const int64_t size = ceil_div(n, tile::kPanel) * tile::kPanel * 2 * ceil_div(k, 2);
+        std::vector<BFloat16> dst(size, BFloat16(std::numeric_limits<float>::quiet_NaN()));
+        ops.pair_panels(src.const_data_ptr<BFloat16>(), rs, cs, k, n, dst.data());
+        const auto s = src.accessor<BFloat16, 2>();
+        int64_t wrong = 0;
+        for (int64_t j = 0; j < ceil_div(n, tile::kPanel) * tile::kPanel; ++j) {
+          for (int64_t kk = 0; kk < 2 * ceil_div(k, 2); ++kk) {
+            const BFloat16 want = (j >= n || kk >= k) ? BFloat16(0.0f) : (transposed ? s[j][kk] : s[kk][j]);
+            wrong += bits(panel_value(dst, k, kk / 2, j, kk % 2)) != bits(want);
+          }
+        }
+        EXPECT_EQ(wrong, 0) << "k " << k << " n " << n << " transposed " << transposed;
+      }
+    }
+  }
+}
+
+// round_pairs_transposed: x^T as pairs along x's rows, each value rounded as ATen rounds, an odd rows'
+// last pair completed with 0; nothing past 2 cols of a pair row written.
+TEST(PairGemm, RoundsTransposedPairsExactly) {
+  if (!has_avx512_bf16()) {
+    GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  }
+  const auto ops = tile::AVX512::tile_ops_bfloat16();
+  torch::manual_seed(0);
+  for (const int64_t rows : {1, 2, 7, 64}) {
+    for (const int64_t cols : {1, 15, 16, 17, 33, 128}) {
+      const auto x = torch::randn({rows, cols + 3}) * 100;
+      const auto rounded = x.to(torch::kBFloat16);
+      const auto r = rounded.accessor<BFloat16, 2>();
+      const int64_t ld_dst = 2 * cols + 5;
+      std::vector<BFloat16> dst(ceil_div(rows, 2) * ld_dst, BFloat16(std::numeric_limits<float>::quiet_NaN()));
+      ops.round_pairs_transposed(x.const_data_ptr<float>(), cols + 3, rows, cols, dst.data(), ld_dst);
+      int64_t wrong = 0;
+      for (int64_t p = 0; p < ceil_div(rows, 2); ++p) {
+        for (int64_t j = 0; j < cols; ++j) {
+          wrong += bits(dst[p * ld_dst + 2 * j]) != bits(r[2 * p][j]);
+          const BFloat16 second = 2 * p + 1 < rows ? r[2 * p + 1][j] : BFloat16(0.0f);
+          wrong += bits(dst[p * ld_dst + 2 * j + 1]) != bits(second);
+        }
+        for (int64_t j = 2 * cols; j < ld_dst; ++j) {
+          wrong += !std::isnan(static_cast<float>(dst[p * ld_dst + j]));
+        }
+      }
+      EXPECT_EQ(wrong, 0) << "rows " << rows << " cols " << cols;
+    }
+  }
+}
+
+struct Case {
+  int64_t m, n, k;
+  bool trans_a, b_from_columns, accumulate, integers;
+};
+
+std::string describe(const Case& c) {
+  return "m " + std::to_string(c.m) + " n " + std::to_string(c.n) + " k " + std::to_string(c.k) + " trans_a " +
+         std::to_string(c.trans_a) + " b_from_columns " + std::to_string(c.b_from_columns) + " accumulate " +
+         std::to_string(c.accumulate) + " integers " + std::to_string(c.integers);
+}
+
+// Values of the case: small integers (every product and sum exact in float32) or normal ones.
+torch::Tensor values(const Case& c, at::IntArrayRef shape) {
+  return c.integers ? torch::randint(-4, 5, shape).to(torch::kFloat32) : torch::randn(shape);
+}
+
+void check_case(const tile::TileOps<BFloat16>& ops, const Case& c) {
+  const auto [m, n, k, trans_a, b_from_columns, accumulate, integers] = c;
+  const int64_t k2 = ceil_div(k, 2);
+  // A (m x k), float32, then as pair_gemm reads it: row-major pairs (a zero after an odd k's last
+  // value, as input_operand pads them), or the transpose of a k x m tile by round_pairs_transposed.
+  const auto a = values(c, {m, k});
+  const auto a_bf16 = a.to(torch::kBFloat16);
+  std::vector<BFloat16> a_pairs;
+  int64_t rs_a = 0;
+  int64_t cs_a = 0;
+  if (trans_a) {
+    const auto at_tile = a.t().contiguous();  // k x m
+    const int64_t ld = 2 * m + 2;
+    a_pairs.assign(k2 * ld, BFloat16(std::numeric_limits<float>::quiet_NaN()));
+    ops.round_pairs_transposed(at_tile.const_data_ptr<float>(), m, k, m, a_pairs.data(), ld);
+    rs_a = 2;
+    cs_a = ld;
+  } else {
+    const int64_t ld = 2 * k2 + 4;
+    a_pairs.assign(m * ld, BFloat16(std::numeric_limits<float>::quiet_NaN()));
+    const auto acc = a_bf16.accessor<BFloat16, 2>();
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t kk = 0; kk < 2 * k2; ++kk) {
+        a_pairs[i * ld + kk] = kk < k ? acc[i][kk] : BFloat16(0.0f);
+      }
+    }
+    rs_a = ld;
+    cs_a = 2;
+  }
+  // B (k x n) in bfloat16, packed from its rows or from its transpose's rows.
+  const auto b_bf16 = values(c, {k, n}).to(torch::kBFloat16);
+  std::vector<BFloat16> packed(ceil_div(n, tile::kPanel) * tile::kPanel * 2 * k2);
+  if (b_from_columns) {
+    const auto bt = b_bf16.t().contiguous();  // n x k
+    ops.pair_panels(bt.const_data_ptr<BFloat16>(), 1, k, k, n, packed.data());
+  } else {
+    const auto br = b_bf16.contiguous();
+    ops.pair_panels(br.const_data_ptr<BFloat16>(), n, 1, k, n, packed.data());
+  }
+  // C: m x n with 3 spare columns; NaN where it must not be read (accumulate false).
+  const int64_t ldc = n + 3;
+  auto c_mat = values(c, {m, ldc});
+  if (!accumulate) {
+    c_mat.narrow(1, 0, n).fill_(std::numeric_limits<float>::quiet_NaN());
+  }
+  const auto c_before = c_mat.clone();
+
+  ops.pair_gemm(m, n, k2, a_pairs.data(), rs_a, cs_a, packed.data(), 2 * k2 * tile::kPanel, accumulate,
+                c_mat.data_ptr<float>(), ldc);
+
+  const auto a64 = a_bf16.to(torch::kFloat64);
+  const auto b64 = b_bf16.to(torch::kFloat64);
+  const auto c64 = accumulate ? c_before.narrow(1, 0, n).to(torch::kFloat64) : torch::zeros({m, n}, torch::kFloat64);
+  const auto exact = torch::mm(a64, b64) + c64;
+  const auto got = c_mat.narrow(1, 0, n).to(torch::kFloat64);
+  if (integers) {  // every product and partial sum is an integer below 2^24: no rounding anywhere
+    EXPECT_TRUE(torch::equal(got, exact)) << describe(c) << ": max diff " << (got - exact).abs().max().item<double>();
+  } else {  // (k + 1) u (|A| |B| + |C|): at most one rounding per product added
+    const auto bound =
+        static_cast<double>(k + 1) * std::ldexp(1.0, -24) * (torch::mm(a64.abs(), b64.abs()) + c64.abs());
+    EXPECT_TRUE(((got - exact).abs() <= bound + 1e-30).all().item<bool>()) << describe(c);
+  }
+  // The spare columns are never touched.
+  EXPECT_TRUE(torch::equal(c_mat.narrow(1, n, 3), c_before.narrow(1, n, 3))) << describe(c);
+}
+
+TEST(PairGemm, MatchesTheProductOfTheRoundedOperands) {
+  if (!has_avx512_bf16()) {
+    GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  }
+  const auto ops = tile::AVX512::tile_ops_bfloat16();
+  torch::manual_seed(0);
+  for (const int64_t m : {1, 5, 11, 12, 13, 64}) {
+    for (const int64_t n : {1, 15, 16, 17, 32, 40, 64}) {
+      for (const int64_t k : {1, 2, 7, 64, 129}) {
+        for (const bool trans_a : {false, true}) {
+          for (const bool b_from_columns : {false, true}) {
+            for (const bool accumulate : {false, true}) {
+              for (const bool integers : {false, true}) {
+                check_case(ops, {m, n, k, trans_a, b_from_columns, accumulate, integers});
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// pair_dots sums each dot product as pair_gemm sums it, bit for bit: the backward's delta = dO . O and
+// dP = dO . v then cancel where O = v.
+TEST(PairGemm, PairDotsSumLikeTheKernel) {
+  if (!has_avx512_bf16()) {
+    GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  }
+  const auto ops = tile::AVX512::tile_ops_bfloat16();
+  torch::manual_seed(0);
+  for (const int64_t n : {2, 8, 64, 80, 130}) {
+    const int64_t rows = 9;
+    const auto x = (torch::randn({rows, n}) * 30).to(torch::kBFloat16);
+    const auto y = (torch::randn({rows, n}) * 30).to(torch::kBFloat16);
+    std::vector<float> dots(rows);
+    ops.pair_dots(x.const_data_ptr<BFloat16>(), y.const_data_ptr<BFloat16>(), rows, n, dots.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      // Row r of x against y's row r as a one-column B (k = n).
+      std::vector<BFloat16> packed(tile::kPanel * n);
+      ops.pair_panels(y.const_data_ptr<BFloat16>() + r * n, 1, n, n, 1, packed.data());
+      float c = std::numeric_limits<float>::quiet_NaN();
+      ops.pair_gemm(1, 1, n / 2, x.const_data_ptr<BFloat16>() + r * n, n, 2, packed.data(), n * tile::kPanel, false,
+                    &c, 1);
+      uint32_t got = 0;
+      uint32_t want = 0;
+      std::memcpy(&got, &dots[r], sizeof(got));
+      std::memcpy(&want, &c, sizeof(want));
+      EXPECT_EQ(got, want) << "n " << n << " row " << r << ": " << dots[r] << " vs " << c;
+      const double exact = (x[r].to(torch::kFloat64) * y[r].to(torch::kFloat64)).sum().item<double>();
+      const double scale = (x[r].to(torch::kFloat64) * y[r].to(torch::kFloat64)).abs().sum().item<double>();
+      EXPECT_LE(std::abs(dots[r] - exact), static_cast<double>(n + 1) * std::ldexp(1.0, -24) * scale) << n;
+    }
+  }
+}
+
+}  // namespace
