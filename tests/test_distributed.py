@@ -56,12 +56,18 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                   "tp_compile")
 
 
-def check_training(m: dict[str, float]) -> None:
-    assert m["grad_f64"] <= F64
+def check_training(m: dict[str, float], *, grads: bool = True) -> None:
+    if grads:
+        assert m["grad_f64"] <= F64
     assert m["steps_f64"] <= F64
-    # float32: Adam amplifies rounding (its step is g / sqrt(v)); the distributed run, which only
-    # sums in another order, must be as close to the float64 run as one float32 process is.
-    assert m["steps_f32_vs_single_f64"] <= 2 * m["steps_single_f32_vs_f64"]
+    # float32: the trained model's outputs as close to the float64 run's as one float32 process's
+    # (observed 1.6e-7 .. 2.2e-7 for all of them). Its weights: Adam amplifies rounding (its step is
+    # g / sqrt(v)), so a weight whose gradient is near 0 is rounding noise of up to about lr in any
+    # float32 run (observed: one process 3e-7 .. 1.5e-6, tensor parallel 5e-6, after steps that moved
+    # the weights by 5e-2); a distributed bug (a gradient not reduced, a shard misplaced) moves them
+    # by the order of lr = 1e-2. So: within 1e-3 of how far the steps moved them.
+    assert m["out_f32_vs_single_f64"] <= 2 * m["out_single_f32_vs_f64"]
+    assert m["steps_f32_vs_single_f64"] <= 1e-3 * m["steps_moved"]
     assert m["steps_moved"] > 100 * m["steps_single_f32_vs_f64"]  # the comparison is not vacuous
 
 
@@ -117,7 +123,7 @@ def test_tensor_parallel_gpt_equals_unsharded(results):
     m = metrics(results, "tp_gpt")
     for key in ("logits_full", "logits_padded", "grad_full", "grad_padded", "steps_f64"):
         assert m[key] <= F64, key
-    assert m["steps_f32_vs_single_f64"] <= 2 * m["steps_single_f32_vs_f64"]
+    check_training(m, grads=False)
 
 
 def test_compiled_tensor_parallel_gpt_equals_unsharded(results):
