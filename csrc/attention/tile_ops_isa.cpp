@@ -767,8 +767,6 @@ void linear_rows(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, co
 // the running sum. A pair is two consecutive bfloat16 in memory, read as one 32-bit lane.
 #define CA_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
-inline uint16_t bits_of(c10::BFloat16 x) { return x.x; }
-
 // The pair at x broadcast to every lane.
 CA_BF16_TARGET inline __m512i broadcast_pair(const c10::BFloat16* x) {
   uint32_t pair;

@@ -3,7 +3,9 @@
 // Precision: every tile product is computed and accumulated in acc_t (float32 for bfloat16/half
 // inputs, else the input type): products of two values of the input type, summed in float32, which
 // is what a product in the input type with float32 accumulation computes. Intermediate operands
-// (P, dS) are rounded to the input type first (input_operand).
+// (P, dS) are rounded to the input type first (input_operand). bfloat16's pair micro-kernel (vdpbf16ps)
+// treats subnormal bfloat16 operands (|x| < 1.2e-38) as 0 and flushes subnormal sums to 0, as the
+// instruction does whatever MXCSR says: there, and only there, it differs from float32 sums.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -121,12 +121,14 @@ TEST(PairGemm, RoundsTransposedPairsExactly) {
 struct Case {
   int64_t m, n, k;
   bool trans_a, b_from_columns, accumulate, integers;
+  int64_t extra = 0;  // B packed with k + extra rows (even) of which the product uses the first k (k even)
 };
 
 std::string describe(const Case& c) {
   return "m " + std::to_string(c.m) + " n " + std::to_string(c.n) + " k " + std::to_string(c.k) + " trans_a " +
          std::to_string(c.trans_a) + " b_from_columns " + std::to_string(c.b_from_columns) + " accumulate " +
-         std::to_string(c.accumulate) + " integers " + std::to_string(c.integers);
+         std::to_string(c.accumulate) + " integers " + std::to_string(c.integers) + " extra " +
+         std::to_string(c.extra);
 }
 
 // Values of the case: small integers (every product and sum exact in float32) or normal ones.
@@ -135,7 +137,7 @@ torch::Tensor values(const Case& c, at::IntArrayRef shape) {
 }
 
 void check_case(const tile::TileOps<BFloat16>& ops, const Case& c) {
-  const auto [m, n, k, trans_a, b_from_columns, accumulate, integers] = c;
+  const auto [m, n, k, trans_a, b_from_columns, accumulate, integers, extra] = c;
   const int64_t k2 = ceil_div(k, 2);
   // A (m x k), float32, then as pair_gemm reads it: row-major pairs (a zero after an odd k's last
   // value, as input_operand pads them), or the transpose of a k x m tile by round_pairs_transposed.
@@ -163,15 +165,18 @@ void check_case(const tile::TileOps<BFloat16>& ops, const Case& c) {
     rs_a = ld;
     cs_a = 2;
   }
-  // B (k x n) in bfloat16, packed from its rows or from its transpose's rows.
+  // B (k x n) in bfloat16, packed from its rows or from its transpose's rows, with `extra` rows more
+  // (Inf, which must not reach C) that the product leaves out, as a tile short of its key block does.
   const auto b_bf16 = values(c, {k, n}).to(torch::kBFloat16);
-  std::vector<BFloat16> packed(ceil_div(n, tile::kPanel) * tile::kPanel * 2 * k2);
+  const int64_t kp = k + extra;
+  const auto b_packed = torch::cat({b_bf16, torch::full({extra, n}, INFINITY).to(torch::kBFloat16)});  // kp x n
+  std::vector<BFloat16> packed(ceil_div(n, tile::kPanel) * tile::kPanel * 2 * ceil_div(kp, 2));
   if (b_from_columns) {
-    const auto bt = b_bf16.t().contiguous();  // n x k
-    ops.pair_panels(bt.const_data_ptr<BFloat16>(), 1, k, k, n, packed.data());
+    const auto bt = b_packed.t().contiguous();  // n x kp
+    ops.pair_panels(bt.const_data_ptr<BFloat16>(), 1, kp, kp, n, packed.data());
   } else {
-    const auto br = b_bf16.contiguous();
-    ops.pair_panels(br.const_data_ptr<BFloat16>(), n, 1, k, n, packed.data());
+    const auto br = b_packed.contiguous();
+    ops.pair_panels(br.const_data_ptr<BFloat16>(), n, 1, kp, n, packed.data());
   }
   // C: m x n with 3 spare columns; NaN where it must not be read (accumulate false).
   const int64_t ldc = n + 3;
@@ -181,7 +186,7 @@ void check_case(const tile::TileOps<BFloat16>& ops, const Case& c) {
   }
   const auto c_before = c_mat.clone();
 
-  ops.pair_gemm(m, n, k2, a_pairs.data(), rs_a, cs_a, packed.data(), 2 * k2 * tile::kPanel, accumulate,
+  ops.pair_gemm(m, n, k2, a_pairs.data(), rs_a, cs_a, packed.data(), 2 * ceil_div(kp, 2) * tile::kPanel, accumulate,
                 c_mat.data_ptr<float>(), ldc);
 
   const auto a64 = a_bf16.to(torch::kFloat64);
@@ -214,6 +219,10 @@ TEST(PairGemm, MatchesTheProductOfTheRoundedOperands) {
             for (const bool accumulate : {false, true}) {
               for (const bool integers : {false, true}) {
                 check_case(ops, {m, n, k, trans_a, b_from_columns, accumulate, integers});
+                if (k % 2 == 0) {
+                  check_case(ops, {m, n, k, trans_a, b_from_columns, accumulate, integers, 2});
+                  check_case(ops, {m, n, k, trans_a, b_from_columns, accumulate, integers, 3});
+                }
               }
             }
           }
