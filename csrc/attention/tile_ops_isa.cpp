@@ -864,6 +864,33 @@ void pair_gemm(int64_t m, int64_t n, int64_t k2, const c10::BFloat16* a, int64_t
   }
 }
 
+// dst[c * 2 kPanel ..] = the 32-bit lane c of rows[0..16) (a 16 x 16 transpose of 32-bit values): rows
+// are 16 keys' 16 pairs, the result 16 panel rows of pairs.
+CA_BF16_TARGET inline void transpose_16x16_epi32(const __m512i (&r)[16], c10::BFloat16* dst) {
+  __m512i t[16];
+  __m512i u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + c], 128-bit lane L: rows 4i..4i+3 of column 4L + c
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);  // lanes 0 and 2 of each
+    const __m512i x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);  // lanes 1 and 3
+    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    _mm512_storeu_si512(dst + (c + 0) * 2 * kPanel, _mm512_shuffle_i32x4(x0, y0, 0x88));
+    _mm512_storeu_si512(dst + (c + 4) * 2 * kPanel, _mm512_shuffle_i32x4(x1, y1, 0x88));
+    _mm512_storeu_si512(dst + (c + 8) * 2 * kPanel, _mm512_shuffle_i32x4(x0, y0, 0xDD));
+    _mm512_storeu_si512(dst + (c + 12) * 2 * kPanel, _mm512_shuffle_i32x4(x1, y1, 0xDD));
+  }
+}
+
 // B (k x n, element (kk, j) = src[kk * rs + j * cs]) as pairs along k in panels of kPanel columns: pair
 // (p, j) = (B(2p, j), B(2p + 1, j)) at dst[(j / kPanel) * ps + p * 2 * kPanel + 2 * (j % kPanel)], ps =
 // 2 * ceil(k / 2) * kPanel; zero past n and, for an odd k, in the last pair's second half.
@@ -884,10 +911,20 @@ CA_BF16_TARGET void pair_panels(const c10::BFloat16* src, int64_t rs, int64_t cs
       }
       continue;
     }
-    // Element by element (B's columns: a key row's pairs are already adjacent in memory).
+    int64_t p0 = 0;
+    if (rs == 1 && width == kPanel) {  // B's columns (keys as rows): their pairs are adjacent already
+      for (; 2 * (p0 + 16) <= k; p0 += 16) {  // 16 keys x 16 pairs at a time, transposed in registers
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) {
+          r[j] = _mm512_loadu_si512(src + (j0 + j) * cs + 2 * p0);
+        }
+        transpose_16x16_epi32(r, panel + p0 * 2 * kPanel);
+      }
+    }
+    // Element by element: the rest.
     for (int64_t j = 0; j < kPanel; ++j) {
       const c10::BFloat16* col = j < width ? src + (j0 + j) * cs : nullptr;
-      for (int64_t p = 0; p < k2; ++p) {
+      for (int64_t p = p0; p < k2; ++p) {
         c10::BFloat16* pair = panel + p * 2 * kPanel + 2 * j;
         pair[0] = col != nullptr ? col[2 * p * rs] : c10::BFloat16(0.0f);
         pair[1] = col != nullptr && 2 * p + 1 < k ? col[(2 * p + 1) * rs] : c10::BFloat16(0.0f);
