@@ -99,8 +99,9 @@ struct TileOps {
 
   // float32 on AVX2 and AVX512 (else nullptr: the tile products go to BLAS; for bfloat16 / half the float32 one
   // runs on operands widened by their pack_panels and widen). C (m x n, ldc) = A . B, or C += A . B
-  // when accumulate, by a register-blocked micro-kernel (6 rows x kPanel columns of C in registers, one
-  // fused multiply-add per product, summed in k order). A element (i, kk) at a[i * rs_a + kk * cs_a] (a
+  // when accumulate, by a register-blocked micro-kernel (AVX2: 6 rows x kPanel columns of C in ymm
+  // registers; AVX512: 12 rows x 2 kPanel columns in zmm registers; one fused multiply-add per product,
+  // summed in k order, so both builds give the same bits). A element (i, kk) at a[i * rs_a + kk * cs_a] (a
   // row-major or a transposed operand alike); B element (kk, j) at b[(j / kPanel) * ps_b + kk * ld_b +
   // j % kPanel]: either row-major rows (ps_b = kPanel, ld_b = the row stride) or pack_panels' layout
   // (ps_b = k * kPanel, ld_b = kPanel). Reads and writes only the n columns of B and C.

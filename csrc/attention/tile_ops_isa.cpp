@@ -1051,6 +1051,7 @@ void panel_rows(int64_t m, int64_t k, const float* a, int64_t rs_a, int64_t cs_a
   }
 }
 
+#if !defined(CPU_CAPABILITY_AVX512)  // (the AVX512 build has panel_gemm512)
 // Panel by panel: each panel's k x kPanel slice of B stays in L1 while every row of A passes.
 void panel_gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t rs_a, int64_t cs_a, const float* b,
                 int64_t ld_b, int64_t ps_b, bool accumulate, float* c, int64_t ldc) {
@@ -1062,6 +1063,7 @@ void panel_gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t rs_a, i
     rows(m, k, a, rs_a, cs_a, panel, ld_b, c + j0, ldc, cols);
   }
 }
+#endif
 
 // dst[r * ld_dst + c] = src[c * ld_src + r] for r, c < 8.
 inline void transpose_8x8(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
@@ -1125,6 +1127,92 @@ void pack_panels(const float* src, int64_t rs, int64_t cs, int64_t k, int64_t n,
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The AVX-512 build of panel_gemm: the same products in the same order (one fused multiply-add per
+// product, k in order, from C or 0), so the same bits, with a panel row in one zmm register: R rows x
+// NP (1 or 2) panels of C in registers, each B vector feeding R products, each A value NP. (A CPU with
+// two 512-bit FMA units does twice the 256-bit kernel's work per cycle; Zen 4 splits a zmm FMA in two.)
+template <int R, int NP, bool kAccumulate>
+inline void panel_block512(int64_t k, const float* a, int64_t rs_a, int64_t cs_a, const float* b, int64_t ld_b,
+                           int64_t ps_b, float* c, int64_t ldc, __mmask16 mask0, __mmask16 mask1) {
+  __m512 acc[R][NP];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+    for (int q = 0; q < NP; ++q) {
+      acc[r][q] = kAccumulate ? _mm512_maskz_loadu_ps(q == 0 ? mask0 : mask1, c + r * ldc + q * kPanel)
+                              : _mm512_setzero_ps();
+    }
+  }
+  for (int64_t kk = 0; kk < k; ++kk) {
+    __m512 bv[NP];
+#pragma GCC unroll 2
+    for (int q = 0; q < NP; ++q) {  // masked: nothing past n is read (B may be rows in place)
+      bv[q] = _mm512_maskz_loadu_ps(q == 0 ? mask0 : mask1, b + q * ps_b + kk * ld_b);
+    }
+    const float* acol = a + kk * cs_a;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(acol[r * rs_a]);
+#pragma GCC unroll 2
+      for (int q = 0; q < NP; ++q) {
+        acc[r][q] = _mm512_fmadd_ps(av, bv[q], acc[r][q]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+    for (int q = 0; q < NP; ++q) {
+      _mm512_mask_storeu_ps(c + r * ldc + q * kPanel, q == 0 ? mask0 : mask1, acc[r][q]);
+    }
+  }
+}
+
+// Every row of A against NP panels: blocks of 12 rows (24 accumulators + 2 B vectors + a broadcast of
+// the 32 zmm registers), then the remainder.
+template <int NP, bool kAccumulate>
+void panel_rows512(int64_t m, int64_t k, const float* a, int64_t rs_a, int64_t cs_a, const float* b, int64_t ld_b,
+                   int64_t ps_b, float* c, int64_t ldc, int64_t cols) {
+  constexpr int kRows = 12;
+  const __mmask16 mask0 = lanes16(cols);
+  const __mmask16 mask1 = lanes16(cols - kPanel);
+  int64_t i = 0;
+  for (; i + kRows <= m; i += kRows) {
+    panel_block512<kRows, NP, kAccumulate>(k, a + i * rs_a, rs_a, cs_a, b, ld_b, ps_b, c + i * ldc, ldc, mask0,
+                                           mask1);
+  }
+  const float* a_rest = a + i * rs_a;
+  float* c_rest = c + i * ldc;
+#define CA_PANEL_REST(R)                                                                                       \
+  case R:                                                                                                      \
+    panel_block512<R, NP, kAccumulate>(k, a_rest, rs_a, cs_a, b, ld_b, ps_b, c_rest, ldc, mask0, mask1); \
+    break;
+  switch (m - i) {
+    CA_PANEL_REST(11) CA_PANEL_REST(10) CA_PANEL_REST(9) CA_PANEL_REST(8) CA_PANEL_REST(7) CA_PANEL_REST(6)
+    CA_PANEL_REST(5) CA_PANEL_REST(4) CA_PANEL_REST(3) CA_PANEL_REST(2) CA_PANEL_REST(1)
+    default: break;
+  }
+#undef CA_PANEL_REST
+}
+
+// Two panels at a time: their k x 2 kPanel slice of B stays in L1 while every row of A passes.
+void panel_gemm512(int64_t m, int64_t n, int64_t k, const float* a, int64_t rs_a, int64_t cs_a, const float* b,
+                   int64_t ld_b, int64_t ps_b, bool accumulate, float* c, int64_t ldc) {
+  for (int64_t j0 = 0; j0 < n; j0 += 2 * kPanel) {
+    const float* panels = b + (j0 / kPanel) * ps_b;
+    const int64_t cols = std::min(2 * kPanel, n - j0);
+    if (cols > kPanel) {
+      (accumulate ? &panel_rows512<2, true> : &panel_rows512<2, false>)(m, k, a, rs_a, cs_a, panels, ld_b, ps_b,
+                                                                        c + j0, ldc, cols);
+    } else {
+      (accumulate ? &panel_rows512<1, true> : &panel_rows512<1, false>)(m, k, a, rs_a, cs_a, panels, ld_b, ps_b,
+                                                                        c + j0, ldc, cols);
+    }
+  }
+}
+#endif
+
 // bfloat16 / half: the same layout, widened to float32 (exactly).
 template <typename scalar_t>
 void pack_panels_widened(const scalar_t* src, int64_t rs, int64_t cs, int64_t k, int64_t n, float* dst) {
@@ -1177,7 +1265,11 @@ TileOps<scalar_t> make_tile_ops() {
   ops.pair_dots = nullptr;
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<scalar_t, float>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    ops.panel_gemm = &panel_gemm512;
+#else
     ops.panel_gemm = &panel_gemm;
+#endif
     ops.pack_panels = &pack_panels;
   } else if constexpr (kReduced<scalar_t>) {
     ops.pack_panels = &pack_panels_widened<scalar_t>;
