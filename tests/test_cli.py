@@ -194,6 +194,11 @@ def test_bench_targets_from_rows() -> None:
         "decode step, whole layer, f32, of copy bandwidth (s)": (0.9, True),
         "1 -> 2 threads, fwd+bwd T=2048": (1.9, True),
     }
+    # Where the two dtypes were also timed side by side, that ratio is the one reported.
+    report.bf16_speedup = [{"T": 2048, "float32_ms": 17.0, "bfloat16_ms": 10.0, "speedup": 1.7}]
+    got = {t["target"]: (t["value"], t["met"]) for t in targets(report)}
+    assert got["bf16 fwd+bwd vs f32 fwd+bwd, T=2048"] == (1.7, False)
+    assert got["bf16 fwd+bwd vs f32 fwd+bwd, T=1024"] == (2.0, True)
 
 
 def test_demo_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -93,6 +93,8 @@ class Report:
     skipped: list[str] = field(default_factory=list)
     # fwd+bwd of our kernel at one T, padded, float32, on 1 thread and on all of them (interleaved).
     thread_scaling: dict[str, float] = field(default_factory=dict)
+    # fwd+bwd of our kernel, padded, float32 against bfloat16 at each T (interleaved with each other).
+    bf16_speedup: list[dict[str, float]] = field(default_factory=list)
     targets: list[dict[str, object]] = field(default_factory=list)
 
 
@@ -384,6 +386,10 @@ def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repe
             progress.update(task, description=f"threads 1 vs {report.threads}, T={scaling_T}")
             report.thread_scaling = thread_scaling(B, scaling_T, H, hd, report.threads, repeats=max(3, repeats // 2),
                                                    generator=gen)
+        if backward and torch.bfloat16 in dtypes and torch.float32 in dtypes:
+            for T in (T for T in lengths if T in BF16_SPEEDUP_T):
+                progress.update(task, description=f"float32 vs bfloat16, T={T}")
+                report.bf16_speedup.append(bf16_speedup(B, T, H, hd, repeats=max(3, repeats // 2), generator=gen))
         if decode_shape is not None:
             progress.update(task, description="decode")
             dB, ctx, ddim, dH = decode_shape
@@ -391,6 +397,28 @@ def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repe
             progress.advance(task)
     report.targets = targets(report)
     return report
+
+
+# The lengths at which the bfloat16 target compares the two dtypes side by side.
+BF16_SPEEDUP_T = (1024, 2048, 4096)
+
+
+def bf16_speedup(B: int, T: int, H: int, hd: int, *, repeats: int, generator: torch.Generator) -> dict[str, float]:
+    """Our kernel's fwd+bwd (padded) in float32 and in bfloat16 on the same inputs, interleaved with each
+    other (the kernel rows time each dtype in its own group, minutes apart on a machine whose speed
+    drifts): milliseconds and the speed-up (float32 time / bfloat16 time)."""
+    mask = _padded_mask(B, T, generator)
+    qkv = torch.randn(B, T, 3 * H * hd)
+    g = torch.randn(B, T, H * hd)
+
+    def step(dtype: torch.dtype) -> Callable[[], None]:
+        x, dy = qkv.to(dtype), g.to(dtype)
+        return lambda: _ops.attention(x.detach().requires_grad_(), mask, H).backward(dy)
+
+    t = interleaved_medians({"float32": step(torch.float32), "bfloat16": step(torch.bfloat16)}, repeats=repeats,
+                            warmup=1)
+    return {"T": T, "float32_ms": t["float32"] * 1e3, "bfloat16_ms": t["bfloat16"] * 1e3,
+            "speedup": t["float32"] / t["bfloat16"]}
 
 
 def thread_scaling(B: int, T: int, H: int, hd: int, threads: int, *, repeats: int,
@@ -436,12 +464,15 @@ def targets(report: Report) -> list[dict[str, object]]:
     for T in (2048,):
         r = ours("bfloat16", T, "padded")
         add(f"bf16 forward, of same-run bf16 GEMM ceiling, T={T}", r and r.fwd_ceiling_fraction, 0.55, "fraction")
-    for T in sorted({r.T for r in report.rows}):
+    no_dots = "" if report.bf16_dot_products is not False else \
+        "this CPU has no bf16 dot products: bf16 products run at f32's rate (ceiling ~1x)"
+    side_by_side = {int(s["T"]): s["speedup"] for s in report.bf16_speedup}
+    for T in sorted({r.T for r in report.rows} | set(side_by_side)):
         f32, bf16 = ours("float32", T, "padded"), ours("bfloat16", T, "padded")
-        if f32 and bf16 and f32.fwd_bwd_ms and bf16.fwd_bwd_ms and T in (1024, 2048, 4096):
-            add(f"bf16 fwd+bwd vs f32 fwd+bwd, T={T}", f32.fwd_bwd_ms / bf16.fwd_bwd_ms, 1.8, "x",
-                "" if report.bf16_dot_products is not False else
-                "this CPU has no bf16 dot products: bf16 products run at f32's rate (ceiling ~1x)")
+        if T in side_by_side:  # timed side by side (interleaved)
+            add(f"bf16 fwd+bwd vs f32 fwd+bwd, T={T}", side_by_side[T], 1.8, "x", no_dots)
+        elif f32 and bf16 and f32.fwd_bwd_ms and bf16.fwd_bwd_ms and T in BF16_SPEEDUP_T:
+            add(f"bf16 fwd+bwd vs f32 fwd+bwd, T={T}", f32.fwd_bwd_ms / bf16.fwd_bwd_ms, 1.8, "x", no_dots)
     for T in (1024, 2048):
         r = ours("float32", T, "padded")
         add(f"f32 padded forward vs SDPA(bool mask), T={T}", r and r.fwd_speedup, 2.3, "x")
