@@ -788,8 +788,8 @@ CA_BF16_TARGET inline __m512i interleave16(__m256i lo, __m256i hi) {
 // k2 pairs: R x NP float32 accumulators, each B vector feeding R products, each A pair NP.
 template <int R, int NP, bool kAccumulate>
 CA_BF16_TARGET inline void pair_block(int64_t k2, const c10::BFloat16* a, int64_t rs_a, int64_t cs_a,
-                                      const c10::BFloat16* b, int64_t ps_b, float* c, int64_t ldc, __mmask16 mask0,
-                                      __mmask16 mask1) {
+                                      const c10::BFloat16* b, int64_t ld_b, int64_t ps_b, float* c, int64_t ldc,
+                                      __mmask16 mask0, __mmask16 mask1) {
   __m512 acc[R][NP];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
@@ -803,7 +803,7 @@ CA_BF16_TARGET inline void pair_block(int64_t k2, const c10::BFloat16* a, int64_
     __m512bh bv[NP];
 #pragma GCC unroll 2
     for (int q = 0; q < NP; ++q) {
-      bv[q] = (__m512bh)_mm512_loadu_si512(b + q * ps_b + p * 2 * kPanel);
+      bv[q] = (__m512bh)_mm512_loadu_si512(b + q * ps_b + p * ld_b);
     }
     const c10::BFloat16* ap = a + p * cs_a;
 #pragma GCC unroll 16
@@ -824,45 +824,16 @@ CA_BF16_TARGET inline void pair_block(int64_t k2, const c10::BFloat16* a, int64_
   }
 }
 
-// Every row of A against NP panels: blocks of 12 rows (24 accumulators + 2 B vectors + a pair: 27 of
-// the 32 zmm registers), then the remainder.
-template <int NP, bool kAccumulate>
-void pair_rows(int64_t m, int64_t k2, const c10::BFloat16* a, int64_t rs_a, int64_t cs_a, const c10::BFloat16* b,
-               int64_t ps_b, float* c, int64_t ldc, int64_t cols) {
-  constexpr int kRows = 12;
-  const __mmask16 mask0 = lanes16(cols);
-  const __mmask16 mask1 = lanes16(cols - kPanel);
-  int64_t i = 0;
-  for (; i + kRows <= m; i += kRows) {
-    pair_block<kRows, NP, kAccumulate>(k2, a + i * rs_a, rs_a, cs_a, b, ps_b, c + i * ldc, ldc, mask0, mask1);
+// pair_block as the zmm drivers (zmm_rows, zmm_gemm) call it: A pairs, B pair panels (ld_b = 2 kPanel).
+struct PairBlocks {
+  using A = c10::BFloat16;
+  using B = c10::BFloat16;
+  template <int R, int NP, bool kAccumulate>
+  static void block(int64_t k2, const A* a, int64_t rs_a, int64_t cs_a, const B* b, int64_t ld_b, int64_t ps_b,
+                    float* c, int64_t ldc, __mmask16 mask0, __mmask16 mask1) {
+    pair_block<R, NP, kAccumulate>(k2, a, rs_a, cs_a, b, ld_b, ps_b, c, ldc, mask0, mask1);
   }
-  const c10::BFloat16* a_rest = a + i * rs_a;
-  float* c_rest = c + i * ldc;
-#define CA_PAIR_REST(R) \
-  case R: pair_block<R, NP, kAccumulate>(k2, a_rest, rs_a, cs_a, b, ps_b, c_rest, ldc, mask0, mask1); break;
-  switch (m - i) {
-    CA_PAIR_REST(11) CA_PAIR_REST(10) CA_PAIR_REST(9) CA_PAIR_REST(8) CA_PAIR_REST(7) CA_PAIR_REST(6)
-    CA_PAIR_REST(5) CA_PAIR_REST(4) CA_PAIR_REST(3) CA_PAIR_REST(2) CA_PAIR_REST(1)
-    default: break;
-  }
-#undef CA_PAIR_REST
-}
-
-// Two panels at a time: their k2 x 2 kPanel pairs of B stay in L1 while every row of A passes.
-void pair_gemm(int64_t m, int64_t n, int64_t k2, const c10::BFloat16* a, int64_t rs_a, int64_t cs_a,
-               const c10::BFloat16* b, int64_t ps_b, bool accumulate, float* c, int64_t ldc) {
-  for (int64_t j0 = 0; j0 < n; j0 += 2 * kPanel) {
-    const c10::BFloat16* panels = b + (j0 / kPanel) * ps_b;
-    const int64_t cols = std::min(2 * kPanel, n - j0);
-    if (cols > kPanel) {
-      (accumulate ? &pair_rows<2, true> : &pair_rows<2, false>)(m, k2, a, rs_a, cs_a, panels, ps_b, c + j0, ldc,
-                                                                  cols);
-    } else {
-      (accumulate ? &pair_rows<1, true> : &pair_rows<1, false>)(m, k2, a, rs_a, cs_a, panels, ps_b, c + j0, ldc,
-                                                                  cols);
-    }
-  }
-}
+};
 
 // dst[c * 2 kPanel ..] = the 32-bit lane c of rows[0..16) (a 16 x 16 transpose of 32-bit values): rows
 // are 16 keys' 16 pairs, the result 16 panel rows of pairs.
@@ -1169,47 +1140,71 @@ inline void panel_block512(int64_t k, const float* a, int64_t rs_a, int64_t cs_a
   }
 }
 
-// Every row of A against NP panels: blocks of 12 rows (24 accumulators + 2 B vectors + a broadcast of
-// the 32 zmm registers), then the remainder.
-template <int NP, bool kAccumulate>
-void panel_rows512(int64_t m, int64_t k, const float* a, int64_t rs_a, int64_t cs_a, const float* b, int64_t ld_b,
-                   int64_t ps_b, float* c, int64_t ldc, int64_t cols) {
+// panel_block512 as the zmm drivers call it.
+struct FloatBlocks {
+  using A = float;
+  using B = float;
+  template <int R, int NP, bool kAccumulate>
+  static void block(int64_t k, const A* a, int64_t rs_a, int64_t cs_a, const B* b, int64_t ld_b, int64_t ps_b,
+                    float* c, int64_t ldc, __mmask16 mask0, __mmask16 mask1) {
+    panel_block512<R, NP, kAccumulate>(k, a, rs_a, cs_a, b, ld_b, ps_b, c, ldc, mask0, mask1);
+  }
+};
+
+// The zmm micro-kernels' drivers (Blocks: FloatBlocks or PairBlocks; k counts B's rows, or their pairs).
+// Every row of A against NP panels: blocks of 12 rows (24 accumulators + 2 B vectors + a broadcast of the
+// 32 zmm registers), then the remainder.
+template <typename Blocks, int NP, bool kAccumulate>
+void zmm_rows(int64_t m, int64_t k, const typename Blocks::A* a, int64_t rs_a, int64_t cs_a,
+              const typename Blocks::B* b, int64_t ld_b, int64_t ps_b, float* c, int64_t ldc, int64_t cols) {
   constexpr int kRows = 12;
   const __mmask16 mask0 = lanes16(cols);
   const __mmask16 mask1 = lanes16(cols - kPanel);
   int64_t i = 0;
   for (; i + kRows <= m; i += kRows) {
-    panel_block512<kRows, NP, kAccumulate>(k, a + i * rs_a, rs_a, cs_a, b, ld_b, ps_b, c + i * ldc, ldc, mask0,
-                                           mask1);
+    Blocks::template block<kRows, NP, kAccumulate>(k, a + i * rs_a, rs_a, cs_a, b, ld_b, ps_b, c + i * ldc, ldc,
+                                                   mask0, mask1);
   }
-  const float* a_rest = a + i * rs_a;
+  const auto* a_rest = a + i * rs_a;
   float* c_rest = c + i * ldc;
-#define CA_PANEL_REST(R)                                                                                       \
-  case R:                                                                                                      \
-    panel_block512<R, NP, kAccumulate>(k, a_rest, rs_a, cs_a, b, ld_b, ps_b, c_rest, ldc, mask0, mask1); \
+#define CA_ZMM_REST(R)                                                                                           \
+  case R:                                                                                                        \
+    Blocks::template block<R, NP, kAccumulate>(k, a_rest, rs_a, cs_a, b, ld_b, ps_b, c_rest, ldc, mask0, mask1); \
     break;
   switch (m - i) {
-    CA_PANEL_REST(11) CA_PANEL_REST(10) CA_PANEL_REST(9) CA_PANEL_REST(8) CA_PANEL_REST(7) CA_PANEL_REST(6)
-    CA_PANEL_REST(5) CA_PANEL_REST(4) CA_PANEL_REST(3) CA_PANEL_REST(2) CA_PANEL_REST(1)
+    CA_ZMM_REST(11) CA_ZMM_REST(10) CA_ZMM_REST(9) CA_ZMM_REST(8) CA_ZMM_REST(7) CA_ZMM_REST(6)
+    CA_ZMM_REST(5) CA_ZMM_REST(4) CA_ZMM_REST(3) CA_ZMM_REST(2) CA_ZMM_REST(1)
     default: break;
   }
-#undef CA_PANEL_REST
+#undef CA_ZMM_REST
 }
 
-// Two panels at a time: their k x 2 kPanel slice of B stays in L1 while every row of A passes.
-void panel_gemm512(int64_t m, int64_t n, int64_t k, const float* a, int64_t rs_a, int64_t cs_a, const float* b,
-                   int64_t ld_b, int64_t ps_b, bool accumulate, float* c, int64_t ldc) {
+// Two panels at a time: their slice of B stays in L1 while every row of A passes.
+template <typename Blocks>
+void zmm_gemm(int64_t m, int64_t n, int64_t k, const typename Blocks::A* a, int64_t rs_a, int64_t cs_a,
+              const typename Blocks::B* b, int64_t ld_b, int64_t ps_b, bool accumulate, float* c, int64_t ldc) {
   for (int64_t j0 = 0; j0 < n; j0 += 2 * kPanel) {
-    const float* panels = b + (j0 / kPanel) * ps_b;
+    const auto* panels = b + (j0 / kPanel) * ps_b;
     const int64_t cols = std::min(2 * kPanel, n - j0);
     if (cols > kPanel) {
-      (accumulate ? &panel_rows512<2, true> : &panel_rows512<2, false>)(m, k, a, rs_a, cs_a, panels, ld_b, ps_b,
-                                                                        c + j0, ldc, cols);
+      (accumulate ? &zmm_rows<Blocks, 2, true> : &zmm_rows<Blocks, 2, false>)(m, k, a, rs_a, cs_a, panels, ld_b,
+                                                                            ps_b, c + j0, ldc, cols);
     } else {
-      (accumulate ? &panel_rows512<1, true> : &panel_rows512<1, false>)(m, k, a, rs_a, cs_a, panels, ld_b, ps_b,
-                                                                        c + j0, ldc, cols);
+      (accumulate ? &zmm_rows<Blocks, 1, true> : &zmm_rows<Blocks, 1, false>)(m, k, a, rs_a, cs_a, panels, ld_b,
+                                                                            ps_b, c + j0, ldc, cols);
     }
   }
+}
+
+void panel_gemm512(int64_t m, int64_t n, int64_t k, const float* a, int64_t rs_a, int64_t cs_a, const float* b,
+                   int64_t ld_b, int64_t ps_b, bool accumulate, float* c, int64_t ldc) {
+  zmm_gemm<FloatBlocks>(m, n, k, a, rs_a, cs_a, b, ld_b, ps_b, accumulate, c, ldc);
+}
+
+// Pairs: over k2 pairs of B's rows, a B panel row holding kPanel pairs (2 kPanel bfloat16).
+void pair_gemm(int64_t m, int64_t n, int64_t k2, const c10::BFloat16* a, int64_t rs_a, int64_t cs_a,
+               const c10::BFloat16* b, int64_t ps_b, bool accumulate, float* c, int64_t ldc) {
+  zmm_gemm<PairBlocks>(m, n, k2, a, rs_a, cs_a, b, 2 * kPanel, ps_b, accumulate, c, ldc);
 }
 #endif
 
