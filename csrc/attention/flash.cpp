@@ -213,13 +213,8 @@ class ForwardPass {
  private:
   // The key block's panels in pack_key_blocks' buffer: keys transposed, then values as rows (float32
   // values, or bfloat16 ones holding pairs).
-  int64_t key_panels_size() const {
-    return products_ == Products::kPairs ? pair_panels_size(g_.hd, kBlockK) : panels_size(g_.hd, kBlockK);
-  }
-  int64_t block_panels_size() const {
-    return key_panels_size() +
-           (products_ == Products::kPairs ? pair_panels_size(kBlockK, g_.hd) : panels_size(kBlockK, g_.hd));
-  }
+  int64_t key_panels_size() const { return packed_size(products_, g_.hd, kBlockK); }
+  int64_t block_panels_size() const { return key_panels_size() + packed_size(products_, kBlockK, g_.hd); }
 
   // With a micro-kernel: the panels of every key block of every (batch, head) with a real key, packed
   // in parallel once per call rather than once per query block that reads them (2/3 of qkv's elements,
@@ -276,7 +271,8 @@ class ForwardPass {
       return {};
     }
     if (products_ == Products::kPairs) {
-      const auto* block = static_cast<const c10::BFloat16*>(panels.const_data_ptr()) + (bh * g_.nk + kb) * block_panels_size();
+      const auto* block =
+          static_cast<const c10::BFloat16*>(panels.const_data_ptr()) + (bh * g_.nk + kb) * block_panels_size();
       return {{nullptr, g_.hd, block}, {nullptr, bk, block + key_panels_size()}, {}};
     }
     const acc_t* block = panels.const_data_ptr<acc_t>() + (bh * g_.nk + kb) * block_panels_size();

@@ -948,7 +948,7 @@ CA_BF16_TARGET void pair_dots(const c10::BFloat16* x, const c10::BFloat16* y, in
 
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-// ---- The float32 micro-kernel (AVX2 + FMA; the same code in the AVX512 build) ---------------------------------------------------------
+// ---- The float32 micro-kernel (AVX2 + FMA; also in the AVX512 build) ------------------------------
 
 // Lanes [0, 8) of a 256-bit mask for the first `count` of 8 floats (count clamped to [0, 8]).
 inline __m256i lane_mask(int64_t count) {

@@ -80,6 +80,15 @@ struct Panels {
 // Values in the panels of a k x n operand: float32 ones, and bfloat16 pairs (2 ceil(k / 2) rows).
 inline int64_t panels_size(int64_t k, int64_t n) { return ceil_div(n, tile::kPanel) * tile::kPanel * k; }
 inline int64_t pair_panels_size(int64_t k, int64_t n) { return panels_size(2 * ceil_div(k, 2), n); }
+// Values a packed k x n operand takes for the products (none for BLAS, which reads operands in place).
+inline int64_t packed_size(Products products, int64_t k, int64_t n) {
+  switch (products) {
+    case Products::kPanels: return panels_size(k, n);
+    case Products::kPairs: return pair_panels_size(k, n);
+    case Products::kBlas: break;
+  }
+  return 0;
+}
 // The stride between panels of pairs of a k x n operand.
 inline int64_t pair_panel_stride(int64_t k) { return 2 * ceil_div(k, 2) * tile::kPanel; }
 
@@ -129,10 +138,10 @@ Panels<acc_t> pack_into(PanelBuffer<scalar_t>& buf, Products products, const sca
                         int64_t k, int64_t n) {
   switch (products) {
     case Products::kPanels:
-      buf.wide.resize(static_cast<size_t>(panels_size(k, n)));
+      buf.wide.resize(static_cast<size_t>(packed_size(products, k, n)));
       return pack(b, rs, cs, k, n, buf.wide.data());
     case Products::kPairs:
-      buf.pairs.resize(static_cast<size_t>(pair_panels_size(k, n)));
+      buf.pairs.resize(static_cast<size_t>(packed_size(products, k, n)));
       return pack_pairs(b, rs, cs, k, n, buf.pairs.data());
     case Products::kBlas:
       break;
