@@ -545,31 +545,116 @@ inline void dot_rows(const acc_t* a, const scalar_t* b, int64_t ld, int64_t hd, 
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+constexpr bool kBlockDots = true;
+
+// Lane r of the result = the sum of the W lanes of a[r], r < W: the W vectors transposed and added
+// in a tree (log2 W steps of shuffles and adds for all W sums at once, instead of a reduction per
+// vector).
+#if defined(CPU_CAPABILITY_AVX512)
+// (The all-lanes masked forms: GCC 12 warns of an uninitialized variable inside the unmasked ones.)
+inline __m512 unpacklo(__m512 x, __m512 y) { return _mm512_mask_unpacklo_ps(x, 0xFFFF, x, y); }
+inline __m512 unpackhi(__m512 x, __m512 y) { return _mm512_mask_unpackhi_ps(x, 0xFFFF, x, y); }
+inline __m512d unpacklo(__m512d x, __m512d y) { return _mm512_mask_unpacklo_pd(x, 0xFF, x, y); }
+inline __m512d unpackhi(__m512d x, __m512d y) { return _mm512_mask_unpackhi_pd(x, 0xFF, x, y); }
+template <int kImm>
+inline __m512 shuffle128(__m512 x, __m512 y) { return _mm512_mask_shuffle_f32x4(x, 0xFFFF, x, y, kImm); }
+
+inline Vec<float> sum_lanes(const Vec<float> (&a)[16]) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i) {  // b[i]: per 128-bit lane, two partial sums each of a[2i] and a[2i + 1]
+    const __m512 x = a[2 * i], y = a[2 * i + 1];
+    b[i] = _mm512_add_ps(unpacklo(x, y), unpackhi(x, y));
+  }
+  for (int i = 0; i < 4; ++i) {  // c[i]: per 128-bit lane, one partial sum each of a[4i .. 4i + 3]
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(unpacklo(x, y)), _mm512_castpd_ps(unpackhi(x, y)));
+  }
+  for (int i = 0; i < 2; ++i) {  // d[i]: 128-bit lanes (c[2i] lanes 0+1, 2+3, c[2i+1] lanes 0+1, 2+3)
+    d[i] = _mm512_add_ps(shuffle128<0x88>(c[2 * i], c[2 * i + 1]), shuffle128<0xdd>(c[2 * i], c[2 * i + 1]));
+  }
+  return _mm512_add_ps(shuffle128<0x88>(d[0], d[1]), shuffle128<0xdd>(d[0], d[1]));
+}
+#else
+inline Vec<float> sum_lanes(const Vec<float> (&a)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // 128-bit halves: a[0..3] / a[4..7]
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+// s[r] = sum_d a[d] * b[r * ld + d] for the W = Vec<float>::size() rows r < W of b (float32, or
+// bfloat16/half widened in registers): row by row (so memory is read in address order), each row
+// sums its products in W lanes, sum_lanes adds the W rows' lanes at once, then a scalar tail past the
+// last whole vector.
+template <typename scalar_t>
+inline void dot_block(const float* a, const scalar_t* b, int64_t ld, int64_t hd, float* s) {
+  constexpr int W = Vec<float>::size();
+  const int64_t whole = hd / W * W;
+  Vec<float> acc[W];
+  for (int r = 0; r < W; ++r) {
+    const scalar_t* row = b + r * ld;
+    Vec<float> sum(0.f);
+    for (int64_t d = 0; d < whole; d += W) {
+      sum = at::vec::fmadd(Vec<float>::loadu(a + d), load_acc<float>(row + d), sum);
+    }
+    acc[r] = sum;
+  }
+  sum_lanes(acc).store(s);
+  for (int64_t d = whole; d < hd; ++d) {
+    for (int r = 0; r < W; ++r) {
+      s[r] += a[d] * static_cast<float>(b[r * ld + d]);
+    }
+  }
+}
+#else
+constexpr bool kBlockDots = false;
+#endif
+
 // o[u * W + w] = o[.] * alpha + sum_j p[j] * v[j * ld + u * W + w] for u < U: U vectors of o stay in
-// registers while the n value rows stream past once (bfloat16/half widened in registers).
+// registers while the n value rows stream past once (bfloat16/half widened in registers). Where the
+// registers allow, the even and the odd j sum in two chains, added at the end: a chain of dependent
+// fused multiply-adds waits their latency for every row, two halve that wait.
 template <int U, typename scalar_t, typename acc_t>
 inline void weighted_block(const acc_t* p, const scalar_t* v, int64_t ld, int64_t n, acc_t alpha, acc_t* o) {
   constexpr int64_t W = Vec<acc_t>::size();
+  constexpr int kChains = 2 * U <= W ? 2 : 1;  // 2U accumulators: up to 8 of AVX2's 16 registers, 16 of AVX512's 32
   const Vec<acc_t> valpha(alpha);
-  Vec<acc_t> acc[U];
+  Vec<acc_t> acc[kChains][U];
   for (int u = 0; u < U; ++u) {
-    acc[u] = Vec<acc_t>::loadu(o + u * W) * valpha;
+    acc[0][u] = Vec<acc_t>::loadu(o + u * W) * valpha;
+    if constexpr (kChains == 2) {
+      acc[1][u] = Vec<acc_t>(0);
+    }
   }
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+  for (; j + kChains <= n; j += kChains) {
+    for (int c = 0; c < kChains; ++c) {
+      const Vec<acc_t> pj(p[j + c]);
+      const scalar_t* row = v + (j + c) * ld;
+      for (int u = 0; u < U; ++u) {
+        acc[c][u] = at::vec::fmadd(pj, load_acc<acc_t>(row + u * W), acc[c][u]);
+      }
+    }
+  }
+  for (; j < n; ++j) {
     const Vec<acc_t> pj(p[j]);
     const scalar_t* row = v + j * ld;
     for (int u = 0; u < U; ++u) {
-      acc[u] = at::vec::fmadd(pj, load_acc<acc_t>(row + u * W), acc[u]);
+      acc[0][u] = at::vec::fmadd(pj, load_acc<acc_t>(row + u * W), acc[0][u]);
     }
   }
   for (int u = 0; u < U; ++u) {
-    acc[u].store(o + u * W);
+    if constexpr (kChains == 2) {
+      acc[0][u] = acc[0][u] + acc[1][u];
+    }
+    acc[0][u].store(o + u * W);
   }
 }
 
 // o[d] = o[d] * alpha + sum_j p[j] * v[j * ld + d]: blocks of up to 8 vectors of o (hd = 64 is one
 // block on AVX2 and AVX512), so each value row is read once per query; a scalar tail past them.
-// Each o[d] sums its products in the order of j whatever the block size.
 template <typename scalar_t, typename acc_t>
 inline void weighted_rows(const acc_t* p, const scalar_t* v, int64_t ld, int64_t n, int64_t hd, acc_t alpha, acc_t* o) {
   int64_t d0 = 0;
@@ -622,6 +707,15 @@ void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_
     constexpr int kKeys = 8;  // keys per pass over the query row
     int64_t j = 0;
     const int64_t row_bytes = hd * static_cast<int64_t>(sizeof(scalar_t));
+    if constexpr (kBlockDots && std::is_same_v<acc_t, float>) {
+      constexpr int64_t W = Vec<float>::size();  // keys per block
+      for (; j + W <= visible; j += W) {
+        if (i == 0) {  // the value rows of these keys, read after the scores: their memory streams meanwhile
+          prefetch_rows(v + j * ld, ld, W, row_bytes);
+        }
+        dot_block(q + i * hd, k + j * ld, ld, hd, buf + j);
+      }
+    }
     for (; j + kKeys <= visible; j += kKeys) {
       if (i == 0) {  // the value rows of these keys, read after the scores: their memory streams meanwhile
         prefetch_rows(v + j * ld, ld, kKeys, row_bytes);
