@@ -1,23 +1,11 @@
 // Chooses the tile routines for the instruction set of this CPU, once per dtype.
 #include "tile_ops.h"
+#include "tile_tables.h"
 
 #include <ATen/Version.h>
 
 #include <cstring>
 #include <string>
-
-#define CA_DECLARE_TILE_OPS(CAP)                          \
-  namespace causal_attention::tile::CAP {                 \
-  TileOps<float> tile_ops_float();                        \
-  TileOps<double> tile_ops_double();                      \
-  TileOps<c10::BFloat16> tile_ops_bfloat16();             \
-  TileOps<c10::Half> tile_ops_half();                     \
-  }
-
-CA_DECLARE_TILE_OPS(DEFAULT)
-CA_DECLARE_TILE_OPS(AVX2)
-CA_DECLARE_TILE_OPS(AVX512)
-#undef CA_DECLARE_TILE_OPS
 
 namespace causal_attention::tile {
 namespace {

@@ -14,27 +14,12 @@
 #include <vector>
 
 #include "attention/tile_ops.h"
-
-#define CAUSAL_ATTENTION_DECLARE_TABLES(ISA)          \
-  namespace causal_attention::tile::ISA {             \
-  TileOps<float> tile_ops_float();                    \
-  TileOps<c10::BFloat16> tile_ops_bfloat16();         \
-  TileOps<c10::Half> tile_ops_half();                 \
-  }
-CAUSAL_ATTENTION_DECLARE_TABLES(DEFAULT)
-CAUSAL_ATTENTION_DECLARE_TABLES(AVX2)
-CAUSAL_ATTENTION_DECLARE_TABLES(AVX512)
-#undef CAUSAL_ATTENTION_DECLARE_TABLES
+#include "attention/tile_tables.h"
+#include "cpu_features.h"
 
 namespace {
 
 namespace tile = causal_attention::tile;
-
-bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
-bool has_avx512() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
 
 // Runs decode_chunk over keys [0, n) in one call or two (split at `cut`), for `rows` queries whose
 // row i sees keys j <= i + offset, and checks o / l against float64 softmax(q k^T * scale) v.

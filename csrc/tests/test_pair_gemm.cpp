@@ -13,21 +13,13 @@
 #include <vector>
 
 #include "attention/tile_ops.h"
-
-namespace causal_attention::tile::AVX512 {
-TileOps<c10::BFloat16> tile_ops_bfloat16();
-}  // namespace causal_attention::tile::AVX512
+#include "attention/tile_tables.h"
+#include "cpu_features.h"
 
 namespace {
 
 namespace tile = causal_attention::tile;
 using c10::BFloat16;
-
-bool has_avx512_bf16() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bf16");
-}
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

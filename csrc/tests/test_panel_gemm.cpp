@@ -12,25 +12,12 @@
 #include <vector>
 
 #include "attention/tile_ops.h"
-
-namespace causal_attention::tile::AVX2 {
-TileOps<float> tile_ops_float();
-TileOps<c10::BFloat16> tile_ops_bfloat16();
-TileOps<c10::Half> tile_ops_half();
-}  // namespace causal_attention::tile::AVX2
-namespace causal_attention::tile::AVX512 {
-TileOps<float> tile_ops_float();
-}  // namespace causal_attention::tile::AVX512
+#include "attention/tile_tables.h"
+#include "cpu_features.h"
 
 namespace {
 
 namespace tile = causal_attention::tile;
-
-bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
-bool has_avx512() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
 
 // How the B operand (k x n) is handed to panel_gemm.
 enum class BLayout { kRowsInPlace, kPackedRows, kPackedTransposed };
