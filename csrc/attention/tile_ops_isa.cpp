@@ -707,19 +707,21 @@ void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_
     constexpr int kKeys = 8;  // keys per pass over the query row
     int64_t j = 0;
     const int64_t row_bytes = hd * static_cast<int64_t>(sizeof(scalar_t));
+    // The value rows of keys [j, j + count), read after the scores: their memory streams meanwhile.
+    const auto prefetch_values = [&](int64_t count) {
+      if (i == 0) {
+        prefetch_rows(v + j * ld, ld, count, row_bytes);
+      }
+    };
     if constexpr (kBlockDots && std::is_same_v<acc_t, float>) {
       constexpr int64_t W = Vec<float>::size();  // keys per block
       for (; j + W <= visible; j += W) {
-        if (i == 0) {  // the value rows of these keys, read after the scores: their memory streams meanwhile
-          prefetch_rows(v + j * ld, ld, W, row_bytes);
-        }
+        prefetch_values(W);
         dot_block(q + i * hd, k + j * ld, ld, hd, buf + j);
       }
     }
     for (; j + kKeys <= visible; j += kKeys) {
-      if (i == 0) {  // the value rows of these keys, read after the scores: their memory streams meanwhile
-        prefetch_rows(v + j * ld, ld, kKeys, row_bytes);
-      }
+      prefetch_values(kKeys);
       dot_rows<kKeys>(q + i * hd, k + j * ld, ld, hd, buf + j);
     }
     for (; j < visible; ++j) {
