@@ -735,10 +735,27 @@ void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_
   }
 }
 
+// Keeps v in a register (AVX-512, whose 32 registers hold the linear block's x vectors and
+// accumulators). Without it GCC folds a vector loaded once and used RO times into each fused
+// multiply-add's memory operand, and Zen 4 runs such FMAs at half the rate: the linear block
+// below went from 1.6 to 3.0 G FMA/s per core when its x vectors stayed in registers. (With
+// AVX2's 16 registers the x vectors would spill: there the memory operands stay.)
+template <typename acc_t>
+inline void keep_in_register([[maybe_unused]] Vec<acc_t>& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    __m512 r = v;
+    __asm__("" : "+v"(r));
+    v = r;
+  }
+#endif
+}
+
 // s[i * RO + r] = x[i] . w[r] for RM rows of x (acc_t) and RO rows of w, each dot product summed
 // as dot_rows sums it (lane-wise in k order, then across lanes, then the scalar tail): RM x RO
-// accumulators in registers, so each weight vector loaded feeds RM fused multiply-adds. Meanwhile
-// `lines` cache lines from pf are prefetched, spread evenly over the pass.
+// accumulators in registers. Each step loads the RM x vectors once, then each weight vector once
+// and feeds it to RM fused multiply-adds. Meanwhile `lines` cache lines from pf are prefetched
+// into L2, spread evenly over the pass.
 template <int RM, int RO, typename scalar_t, typename acc_t>
 inline void linear_block(const acc_t* x, const scalar_t* w, int64_t in, acc_t* s, const char* pf, int64_t lines) {
   acc_t sum[RM][RO] = {};
@@ -757,16 +774,17 @@ inline void linear_block(const acc_t* x, const scalar_t* w, int64_t in, acc_t* s
       int64_t owed = 0;  // Bresenham: `lines` prefetches over `steps` steps
       for (int64_t step = 0; step < steps; ++step, d += W) {
         for (owed += lines; owed >= steps; owed -= steps, ++line) {
-          __builtin_prefetch(pf + 64 * line);
+          __builtin_prefetch(pf + 64 * line, 0, 2);  // prefetcht1: into L2
         }
-        Vec<acc_t> wv[RO];
-        for (int r = 0; r < RO; ++r) {
-          wv[r] = load_acc<acc_t>(w + r * in + d);
-        }
+        Vec<acc_t> xv[RM];
         for (int i = 0; i < RM; ++i) {
-          const Vec<acc_t> xv = Vec<acc_t>::loadu(x + i * in + d);
-          for (int r = 0; r < RO; ++r) {
-            acc[i][r] = at::vec::fmadd(xv, wv[r], acc[i][r]);
+          xv[i] = Vec<acc_t>::loadu(x + i * in + d);
+          keep_in_register(xv[i]);
+        }
+        for (int r = 0; r < RO; ++r) {
+          const Vec<acc_t> wv = load_acc<acc_t>(w + r * in + d);
+          for (int i = 0; i < RM; ++i) {
+            acc[i][r] = at::vec::fmadd(xv[i], wv, acc[i][r]);
           }
         }
       }
@@ -778,7 +796,7 @@ inline void linear_block(const acc_t* x, const scalar_t* w, int64_t in, acc_t* s
     }
   }
   for (; line < lines; ++line) {
-    __builtin_prefetch(pf + 64 * line);
+    __builtin_prefetch(pf + 64 * line, 0, 2);
   }
   for (; d < in; ++d) {
     for (int i = 0; i < RM; ++i) {
@@ -794,12 +812,21 @@ inline void linear_block(const acc_t* x, const scalar_t* w, int64_t in, acc_t* s
   }
 }
 
-// The RO weight rows at w against every row of x, in blocks of 4, 2 and 1 rows; the pf_lines cache
-// lines from pf are prefetched over the blocks, in proportion to their rows.
+// Input rows per pass over a block of weight rows: 8 where there are 32 vector registers (8 x
+// vectors + 8 x 3 accumulators; the weight is then read once for up to 8 rows), 4 with AVX2's 16
+// (on Zen 3 the 8-row block spilled and streamed at 16 GB/s against 20 for 4 rows).
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kLinearRows = 8;
+#else
+constexpr int kLinearRows = 4;
+#endif
+
+// The RO weight rows at w against every row of x, in blocks of kLinearRows, then 4, 2 and 1 rows;
+// the pf_lines cache lines from pf are prefetched over the blocks, in proportion to their rows.
 template <int RO, typename scalar_t, typename acc_t>
 void linear_rows_block(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o,
                        scalar_t* y, int64_t ld_y, const char* pf, int64_t pf_lines) {
-  acc_t s[4 * RO];
+  acc_t s[kLinearRows * RO];
   int64_t done = 0;  // lines prefetched so far
   const auto run = [&](auto rm, int64_t m) {
     constexpr int RM = decltype(rm)::value;
@@ -814,8 +841,13 @@ void linear_rows_block(const acc_t* x, int64_t rows, int64_t in, const scalar_t*
     }
   };
   int64_t m = 0;
-  for (; m + 4 <= rows; m += 4) {
-    run(std::integral_constant<int, 4>{}, m);
+  for (; m + kLinearRows <= rows; m += kLinearRows) {
+    run(std::integral_constant<int, kLinearRows>{}, m);
+  }
+  if constexpr (kLinearRows > 4) {
+    for (; m + 4 <= rows; m += 4) {
+      run(std::integral_constant<int, 4>{}, m);
+    }
   }
   for (; m + 2 <= rows; m += 2) {
     run(std::integral_constant<int, 2>{}, m);
@@ -828,10 +860,12 @@ void linear_rows_block(const acc_t* x, int64_t rows, int64_t in, const scalar_t*
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void linear_rows(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o0,
                  int64_t o1, scalar_t* y, int64_t ld_y) {
-  // 3 weight rows per block (4 x 3 accumulators and 3 weight vectors fill AVX2's 16 registers); the
-  // rows kAhead blocks ahead are prefetched meanwhile, so that memory streams while the FMAs work.
+  // 3 weight rows per block; the rows kAhead blocks ahead are prefetched into L2 meanwhile, so
+  // that memory streams while the FMAs work. Measured on Zen 4 (qkv of the decode bench, weight
+  // from memory, 2 threads): 2 blocks ahead into L2 streams at 0.9 of torch's sum; 8 blocks ahead,
+  // or into L1, at 0.5-0.6.
   constexpr int kOut = 3;
-  constexpr int64_t kAhead = 8;
+  constexpr int64_t kAhead = 2;
   // The cache lines of w's rows [first, first + count) within [o0, o1): from the line of their
   // first byte to the line of their last; none when the range is empty.
   const auto lines_of = [&](int64_t first, int64_t count) -> std::pair<const char*, int64_t> {
@@ -845,7 +879,7 @@ void linear_rows(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, co
   };
   const auto [first_lines, n_first] = lines_of(o0, kAhead * kOut);
   for (int64_t line = 0; line < n_first; ++line) {
-    __builtin_prefetch(first_lines + 64 * line);
+    __builtin_prefetch(first_lines + 64 * line, 0, 2);
   }
   int64_t o = o0;
   for (; o + kOut <= o1; o += kOut) {
