@@ -318,13 +318,23 @@ class ForwardPass {
     acc_t* s = ws.s.data();
     score_product<scalar_t>(rows_from(q_block, r0), rows.k + k0 * rows.ld, rows.ld, n, cols, g_.hd, s, cols,
                             panels.keys);
-    acc_ops.softmax_tile(s, cols, n, cols, scale_, causal_offset(q, k0, cols), key_mask, ws.m.data() + r0,
-                         ws.l.data() + r0, ws.alpha.data() + r0, ws.buf.data());
-    if (drop_.has_value()) {  // after the row sums: they are the softmax's, before dropout
-      acc_ops.dropout(s, nullptr, cols, n, cols, *drop_, static_cast<uint64_t>(bh), q, k0);
-    }
-    const auto p = input_operand<scalar_t>(s, ws.p_in.data(), ws.p_wide.data(), cols, n, cols, products_,
-                                           {ws.p_pairs.data(), nullptr});  // entries <= 1
+    const auto p = [&]() -> Operand<scalar_t> {  // P, entries <= 1, as the product P V reads it
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        if (products_ == Products::kPairs && !drop_.has_value()) {  // rounded as the softmax makes it
+          tile::tile_ops<scalar_t>().softmax_tile_rounded(s, cols, n, cols, scale_, causal_offset(q, k0, cols),
+                                                          key_mask, ws.m.data() + r0, ws.l.data() + r0,
+                                                          ws.alpha.data() + r0, ws.p_pairs.data(), pair_row_ld(cols));
+          return pair_rows_operand(ws.p_pairs.data(), n, cols);
+        }
+      }
+      acc_ops.softmax_tile(s, cols, n, cols, scale_, causal_offset(q, k0, cols), key_mask, ws.m.data() + r0,
+                           ws.l.data() + r0, ws.alpha.data() + r0, ws.buf.data());
+      if (drop_.has_value()) {  // after the row sums: they are the softmax's, before dropout
+        acc_ops.dropout(s, nullptr, cols, n, cols, *drop_, static_cast<uint64_t>(bh), q, k0);
+      }
+      return input_operand<scalar_t>(s, ws.p_in.data(), ws.p_wide.data(), cols, n, cols, products_,
+                                     {ws.p_pairs.data(), nullptr});
+    }();
     row_product<scalar_t>(false, n, g_.hd, cols, p, rows.v + k0 * rows.ld, rows.ld, panels.values, false,
                           ws.pv.data(), g_.hd);
     acc_ops.rescale_add(ws.o.data() + r0 * g_.hd, g_.hd, ws.pv.data(), g_.hd, n, g_.hd, ws.alpha.data() + r0);

@@ -37,6 +37,13 @@ struct TileOps {
   void (*softmax_tile)(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
                        const bool* key_mask, acc_t* m, acc_t* l, acc_t* alpha, acc_t* buf);
 
+  // softmax_tile on acc_t scores s whose P is written rounded to scalar_t at p (rows x cols, ld_p)
+  // instead of in place (s is left as scratch): the forward's P for a product in the input type,
+  // rounded as it is made rather than in a pass of its own; the same m, l, alpha and rounded P as
+  // softmax_tile followed by store. bfloat16 / half only (nullptr for float and double).
+  void (*softmax_tile_rounded)(acc_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
+                               const bool* key_mask, acc_t* m, acc_t* l, acc_t* alpha, scalar_t* p, int64_t ld_p);
+
   // acc[i, :] = acc[i, :] * alpha[i] + x[i, :]   (acc: rows x cols, ld_acc; x: ld_x)
   void (*rescale_add)(acc_t* acc, int64_t ld_acc, const scalar_t* x, int64_t ld_x, int64_t rows, int64_t cols,
                       const acc_t* alpha);

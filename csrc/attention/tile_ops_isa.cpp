@@ -150,11 +150,55 @@ inline acc_t exp_scaled_inplace(acc_t* x, int64_t n, acc_t scale, acc_t shift) {
   return sum;
 }
 
-template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void softmax_tile(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
-                  const bool* key_mask, acc_t* m, acc_t* l, acc_t* alpha, acc_t* buf) {
+// dst[j] = exp(scale * x[j] - shift) rounded to out_t for j < n (x: float32, left as it is); returns
+// the sum of the unrounded values, added in exp_scaled_inplace's order (so both give the same sum and,
+// once rounded, the same values).
+template <typename out_t>
+inline float exp_scaled_rounded(const float* x, int64_t n, float scale, float shift, out_t* dst) {
+  int64_t j = 0;
+  float sum = 0;
+  if constexpr (kReduced<out_t>) {
+    constexpr int64_t W = Vec<float>::size();
+    const Vec<float> vscale(scale);
+    const Vec<float> vshift(shift);
+    Vec<float> vsum(0.f);
+    for (; j + 2 * W <= n; j += 2 * W) {
+      const auto lo = at::vec::fmsub(Vec<float>::loadu(x + j), vscale, vshift).exp_u20();
+      const auto hi = at::vec::fmsub(Vec<float>::loadu(x + j + W), vscale, vshift).exp_u20();
+      vsum = vsum + lo;
+      vsum = vsum + hi;
+      store_narrowed(lo, hi, dst + j);
+    }
+    for (; j + W <= n; j += W) {
+      const auto e = at::vec::fmsub(Vec<float>::loadu(x + j), vscale, vshift).exp_u20();
+      vsum = vsum + e;
+      store_narrowed(e, dst + j);
+    }
+    float lanes[W];
+    vsum.store(lanes);
+    for (int64_t w = 0; w < W; ++w) {
+      sum += lanes[w];
+    }
+  }
+  for (; j < n; ++j) {
+    const float e = std::exp(x[j] * scale - shift);
+    dst[j] = static_cast<out_t>(e);
+    sum += e;
+  }
+  return sum;
+}
+
+// The online-softmax step of one tile (tile_ops.h, softmax_tile): the scores in s (scalar_t; widened
+// into buf when narrower than acc_t), P out to p (ld_p): in place when p is s; rounded as it is made
+// when out_t is narrower than acc_t.
+template <typename scalar_t, typename out_t, typename acc_t = at::opmath_type<scalar_t>>
+void softmax_rows(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
+                  const bool* key_mask, acc_t* m, acc_t* l, acc_t* alpha, acc_t* buf, out_t* p, int64_t ld_p) {
+  static_assert(std::is_same_v<out_t, acc_t> ? std::is_same_v<scalar_t, acc_t> : kReduced<out_t>,
+                "softmax_rows: P in acc_t only in place over acc_t scores");
   for (int64_t i = 0; i < rows; ++i) {
     scalar_t* row = s + i * ld;
+    out_t* p_row = p + i * ld_p;
     const int64_t n = std::clamp<int64_t>(i + causal_offset + 1, 0, cols);  // allowed prefix
     if (key_mask != nullptr) {
       for (int64_t j = 0; j < n; ++j) {
@@ -162,32 +206,44 @@ void softmax_tile(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t sca
       }
     }
     // float works in place; narrower types are widened into buf once (vectorised max and exp).
-    acc_t row_max_raw;
+    acc_t* x = nullptr;
     if constexpr (std::is_same_v<scalar_t, acc_t>) {
-      row_max_raw = max_of(row, n);
+      x = row;
     } else {
       load_scaled(row, n, acc_t(1), buf);
-      row_max_raw = max_of(buf, n);
+      x = buf;
     }
     // scale > 0, so the max of the scaled row is scale times the max of the raw row.
-    const acc_t m_new = std::max(m[i], scale * row_max_raw);
+    const acc_t m_new = std::max(m[i], scale * max_of(x, n));
     if (m_new == kNegInf<acc_t>) {  // no allowed key yet: the row stays empty
       alpha[i] = 1;
-      std::fill(row, row + cols, scalar_t(0));
+      std::fill(p_row, p_row + cols, out_t(0));
       continue;
     }
     alpha[i] = std::exp(m[i] - m_new);  // 0 when m[i] = -inf
     acc_t sum;
-    if constexpr (std::is_same_v<scalar_t, acc_t>) {
-      sum = exp_scaled_inplace(row, n, scale, m_new);
+    if constexpr (std::is_same_v<out_t, acc_t>) {
+      sum = exp_scaled_inplace(x, n, scale, m_new);  // x is p_row
     } else {
-      sum = exp_scaled_inplace(buf, n, scale, m_new);
-      store_row(buf, n, n, row);
+      sum = exp_scaled_rounded(x, n, scale, m_new, p_row);
     }
-    std::fill(row + n, row + cols, scalar_t(0));
+    std::fill(p_row + n, p_row + cols, out_t(0));
     l[i] = l[i] * alpha[i] + sum;
     m[i] = m_new;
   }
+}
+
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void softmax_tile(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
+                  const bool* key_mask, acc_t* m, acc_t* l, acc_t* alpha, acc_t* buf) {
+  softmax_rows(s, ld, rows, cols, scale, causal_offset, key_mask, m, l, alpha, buf, s, ld);
+}
+
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void softmax_tile_rounded(acc_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
+                          const bool* key_mask, acc_t* m, acc_t* l, acc_t* alpha, scalar_t* p, int64_t ld_p) {
+  softmax_rows(s, ld, rows, cols, scale, causal_offset, key_mask, m, l, alpha, static_cast<acc_t*>(nullptr), p,
+               ld_p);
 }
 
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
@@ -1370,6 +1426,11 @@ template <typename scalar_t>
 TileOps<scalar_t> make_tile_ops() {
   TileOps<scalar_t> ops{};
   ops.softmax_tile = &softmax_tile<scalar_t>;
+  if constexpr (kReduced<scalar_t>) {
+    ops.softmax_tile_rounded = &softmax_tile_rounded<scalar_t>;
+  } else {
+    ops.softmax_tile_rounded = nullptr;
+  }
   ops.rescale_add = &rescale_add<scalar_t>;
   ops.add = &add<scalar_t>;
   ops.finalize = &finalize<scalar_t>;

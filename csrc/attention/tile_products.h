@@ -227,6 +227,21 @@ struct PairScratch {
   scalar_t* transposed = nullptr;
 };
 
+// The leading dimension of a tile of `cols` columns written as pairs along its rows: even.
+inline int64_t pair_row_ld(int64_t cols) { return 2 * ceil_div(cols, 2); }
+
+// rows x cols values of the input type at x (ld pair_row_ld(cols)) as the pair micro-kernel's operand,
+// pairs along its columns; the pad column of an odd cols is zeroed here.
+inline Operand<c10::BFloat16> pair_rows_operand(c10::BFloat16* x, int64_t rows, int64_t cols) {
+  const int64_t ld = pair_row_ld(cols);
+  if (cols % 2 != 0) {
+    for (int64_t i = 0; i < rows; ++i) {
+      x[i * ld + cols] = c10::BFloat16(0.0f);
+    }
+  }
+  return {nullptr, ld, nullptr, 0, {x, ld, 2}, {}};
+}
+
 // x (rows x cols, acc_t, ld: P or dS) as the operand of a product in the input type: x itself for
 // float and double; for bfloat16 / half, x rounded to the input type: into buf for BLAS; for the float32
 // micro-kernel rounded and widened back into wide_buf; for the pair micro-kernel into the forms of
@@ -240,14 +255,8 @@ Operand<scalar_t> input_operand(const acc_t* x, [[maybe_unused]] scalar_t* buf, 
       const auto& ops = tile::tile_ops<scalar_t>();
       Operand<scalar_t> a{nullptr, ld, nullptr, 0};
       if (pairs.rows != nullptr) {
-        const int64_t ld_rows = 2 * ceil_div(cols, 2);
-        ops.store(x, ld, rows, cols, pairs.rows, ld_rows);
-        if (cols % 2 != 0) {
-          for (int64_t i = 0; i < rows; ++i) {
-            pairs.rows[i * ld_rows + cols] = c10::BFloat16(0.0f);
-          }
-        }
-        a.pairs = {pairs.rows, ld_rows, 2};
+        ops.store(x, ld, rows, cols, pairs.rows, pair_row_ld(cols));
+        a.pairs = pair_rows_operand(pairs.rows, rows, cols).pairs;
       }
       if (pairs.transposed != nullptr) {
         ops.round_pairs_transposed(x, ld, rows, cols, pairs.transposed, 2 * cols);

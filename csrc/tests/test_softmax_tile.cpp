@@ -1,0 +1,166 @@
+// The forward's online-softmax step (tile_ops.h: softmax_tile, softmax_tile_rounded), each build's table
+// called directly (DEFAULT always; AVX2 and AVX512 where the CPU has them). The float32 step against
+// float64 (P, the running max and sum, the rescale factor) over two tiles in a row, with causal limits,
+// key masks and rows that see no key; and the rounded step of bfloat16 and half against the float32 step
+// followed by a rounding store: the same m, l, alpha and, bit for bit, the same rounded P, zeros included.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attention/tile_ops.h"
+#include "attention/tile_tables.h"
+#include "cpu_features.h"
+
+namespace {
+
+namespace tile = causal_attention::tile;
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+struct Case {
+  int64_t rows, cols, causal_offset;
+  bool masked;
+};
+
+// The cases: tile widths below, at and across a vector (odd ones too); all keys visible, a causal
+// diagonal, and an offset that leaves the first rows with no key; with and without a key mask.
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (const int64_t cols : {1, 7, 16, 31, 33, 64, 100}) {
+    for (const int64_t offset : {cols, int64_t{0}, int64_t{-2}}) {
+      for (const bool masked : {false, true}) {
+        out.push_back({5, cols, offset, masked});
+      }
+    }
+  }
+  return out;
+}
+
+// Key mask with the first key real (so that the diagonal rows keep one) and about a third padding.
+std::vector<uint8_t> key_mask(int64_t cols) {
+  const auto keep = torch::rand({cols}) > 0.3;
+  std::vector<uint8_t> mask(cols);
+  for (int64_t j = 0; j < cols; ++j) {
+    mask[j] = j == 0 || keep[j].item<bool>();
+  }
+  return mask;
+}
+
+void check_float_step(const tile::TileOps<float>& ops, const std::string& isa) {
+  torch::manual_seed(0);
+  const float scale = 0.125f;
+  for (const auto& c : cases()) {
+    const std::string where = isa + " cols " + std::to_string(c.cols) + " offset " + std::to_string(c.causal_offset) +
+                              (c.masked ? " masked" : "");
+    std::vector<float> m(c.rows, -kInf), l(c.rows, 0.f), alpha(c.rows), buf(c.cols);
+    std::vector<double> m_ref(c.rows, -kInf), l_ref(c.rows, 0.0);
+    for (int step = 0; step < 2; ++step) {  // two tiles: the second rescales the first's sums
+      const auto scores = (torch::randn({c.rows, c.cols}) * 20).contiguous();
+      std::vector<float> s(scores.data_ptr<float>(), scores.data_ptr<float>() + scores.numel());
+      const auto mask = key_mask(c.cols);
+      static_assert(sizeof(bool) == sizeof(uint8_t));
+      ops.softmax_tile(s.data(), c.cols, c.rows, c.cols, scale, c.causal_offset,
+                       c.masked ? reinterpret_cast<const bool*>(mask.data()) : nullptr, m.data(), l.data(),
+                       alpha.data(), buf.data());
+      for (int64_t i = 0; i < c.rows; ++i) {
+        const int64_t n = std::clamp<int64_t>(i + c.causal_offset + 1, 0, c.cols);
+        double row_max = m_ref[i];
+        for (int64_t j = 0; j < n; ++j) {
+          if (!c.masked || mask[j]) {
+            row_max = std::max(row_max, scale * static_cast<double>(scores[i][j].item<float>()));
+          }
+        }
+        const double a = row_max == -kInf ? 1.0 : std::exp(m_ref[i] - row_max);
+        double sum = 0;
+        for (int64_t j = 0; j < c.cols; ++j) {
+          const bool allowed = j < n && (!c.masked || mask[j]);
+          const double p = allowed ? std::exp(scale * static_cast<double>(scores[i][j].item<float>()) - row_max) : 0;
+          sum += p;
+          // exp is at::vec's (a few ulp) of an argument rounded once (|arg| <= ~15 here: 15 ulp of 1).
+          EXPECT_NEAR(s[i * c.cols + j], p, 4e-6 * p + 1e-30) << where << " step " << step << " (" << i << ", " << j
+                                                               << ")";
+        }
+        if (row_max != -kInf) {
+          EXPECT_NEAR(alpha[i], a, 4e-6 * a + 1e-30) << where << " row " << i;
+          l_ref[i] = l_ref[i] * a + sum;
+          m_ref[i] = row_max;
+        } else {
+          EXPECT_EQ(alpha[i], 1.f) << where << " row " << i;
+        }
+        EXPECT_EQ(static_cast<double>(m[i]), m_ref[i]) << where << " row " << i;  // a max of products by 2^-3
+        EXPECT_NEAR(l[i], l_ref[i], 1e-5 * l_ref[i]) << where << " row " << i;
+      }
+    }
+  }
+}
+
+template <typename scalar_t>
+void check_rounded_step(const tile::TileOps<float>& float_ops, const tile::TileOps<scalar_t>& ops,
+                        torch::ScalarType dtype, const std::string& isa) {
+  ASSERT_NE(ops.softmax_tile_rounded, nullptr);
+  torch::manual_seed(1);
+  const float scale = 0.125f;
+  for (const auto& c : cases()) {
+    const std::string where = isa + " " + std::string(c10::toString(dtype)) + " cols " + std::to_string(c.cols) +
+                              " offset " + std::to_string(c.causal_offset) + (c.masked ? " masked" : "");
+    std::vector<float> m(c.rows, -kInf), l(c.rows, 0.f), alpha(c.rows);
+    std::vector<float> m2(c.rows, -kInf), l2(c.rows, 0.f), alpha2(c.rows), buf(c.cols);
+    for (int step = 0; step < 2; ++step) {
+      const auto scores = (torch::randn({c.rows, c.cols}) * 20).contiguous();
+      std::vector<float> s(scores.data_ptr<float>(), scores.data_ptr<float>() + scores.numel());
+      std::vector<float> s2 = s;
+      const auto mask = key_mask(c.cols);
+      const bool* mp = c.masked ? reinterpret_cast<const bool*>(mask.data()) : nullptr;
+      const int64_t ld_p = c.cols + 3;  // a wider row: what lies past cols stays as it was
+      std::vector<scalar_t> p(c.rows * ld_p, static_cast<scalar_t>(7.0f));
+      ops.softmax_tile_rounded(s.data(), c.cols, c.rows, c.cols, scale, c.causal_offset, mp, m.data(), l.data(),
+                               alpha.data(), p.data(), ld_p);
+      float_ops.softmax_tile(s2.data(), c.cols, c.rows, c.cols, scale, c.causal_offset, mp, m2.data(), l2.data(),
+                             alpha2.data(), buf.data());
+      for (int64_t i = 0; i < c.rows; ++i) {
+        EXPECT_EQ(m[i], m2[i]) << where << " row " << i;
+        EXPECT_EQ(l[i], l2[i]) << where << " row " << i;
+        EXPECT_EQ(alpha[i], alpha2[i]) << where << " row " << i;
+        for (int64_t j = 0; j < ld_p; ++j) {
+          const scalar_t want = j < c.cols ? static_cast<scalar_t>(s2[i * c.cols + j]) : static_cast<scalar_t>(7.0f);
+          EXPECT_EQ(std::memcmp(&p[i * ld_p + j], &want, sizeof(scalar_t)), 0)
+              << where << " step " << step << " (" << i << ", " << j << "): " << static_cast<float>(p[i * ld_p + j])
+              << " vs " << static_cast<float>(want);
+        }
+      }
+    }
+  }
+}
+
+template <typename F32, typename BF16, typename F16>
+void check_isa(F32 f32, BF16 bf16, F16 f16, const std::string& isa) {
+  check_float_step(f32(), isa);
+  check_rounded_step(f32(), bf16(), torch::kBFloat16, isa);
+  check_rounded_step(f32(), f16(), torch::kHalf, isa);
+  EXPECT_EQ(f32().softmax_tile_rounded, nullptr);
+}
+
+TEST(SoftmaxTile, MatchesFloat64AndRoundsAsAStoreInTheDefaultBuild) {
+  check_isa(tile::DEFAULT::tile_ops_float, tile::DEFAULT::tile_ops_bfloat16, tile::DEFAULT::tile_ops_half, "DEFAULT");
+}
+
+TEST(SoftmaxTile, MatchesFloat64AndRoundsAsAStoreInTheAvx2Build) {
+  if (!has_avx2()) {
+    GTEST_SKIP() << "this CPU has no AVX2 + FMA";
+  }
+  check_isa(tile::AVX2::tile_ops_float, tile::AVX2::tile_ops_bfloat16, tile::AVX2::tile_ops_half, "AVX2");
+}
+
+TEST(SoftmaxTile, MatchesFloat64AndRoundsAsAStoreInTheAvx512Build) {
+  if (!has_avx512()) {
+    GTEST_SKIP() << "this CPU has no AVX-512";
+  }
+  check_isa(tile::AVX512::tile_ops_float, tile::AVX512::tile_ops_bfloat16, tile::AVX512::tile_ops_half, "AVX512");
+}
+
+}  // namespace
