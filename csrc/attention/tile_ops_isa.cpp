@@ -364,7 +364,8 @@ void fma_dots(const scalar_t* x, const scalar_t* y, int64_t rows, int64_t n, acc
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void probabilities(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
                    const bool* key_mask, const acc_t* lse) {
-  // One row of scratch on the stack per block of columns keeps this free of allocation.
+  // Narrower types are widened into a row of scratch on the stack per block of columns (free of
+  // allocation); float and double work in place.
   constexpr int64_t kChunk = 256;
   acc_t buf[kChunk];
   for (int64_t i = 0; i < rows; ++i) {
@@ -372,6 +373,16 @@ void probabilities(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t sc
     const int64_t n = std::clamp<int64_t>(i + causal_offset + 1, 0, cols);
     if (lse[i] == std::numeric_limits<acc_t>::infinity()) {  // a row with no allowed key
       std::fill(row, row + cols, scalar_t(0));
+      continue;
+    }
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {  // in place (the same values as chunk by chunk)
+      if (key_mask != nullptr) {
+        for (int64_t j = 0; j < n; ++j) {
+          row[j] = key_mask[j] ? row[j] : kNegInf<acc_t>;
+        }
+      }
+      exp_scaled_inplace(row, n, scale, lse[i]);
+      std::fill(row + n, row + cols, scalar_t(0));
       continue;
     }
     for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
