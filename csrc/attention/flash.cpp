@@ -516,9 +516,20 @@ class BackwardPass {
                                                   {nullptr, ws.p_tpairs.data()}),
                           dout_rows, g_.dim, dout_panels, true, ws.dv.data(), hd);
     // dS = scale * P (dP_drop - delta), in the input type for the products that follow
-    acc_ops.score_grad(dp, p, cols, n, cols, scale_, delta_ + (b * g_.T + q) * g_.H + h, g_.H);
-    const auto ds = input_operand<scalar_t>(dp, ws.ds_in.data(), ws.ds_wide.data(), cols, n, cols, products_,
-                                            {ws.ds_pairs.data(), ws.ds_tpairs.data()});
+    const acc_t* delta = delta_ + (b * g_.T + q) * g_.H + h;
+    const auto ds = [&]() -> Operand<scalar_t> {
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        if (products_ == Products::kPairs) {  // rounded, both ways, as it is made
+          const int64_t ld_rows = pair_row_ld(cols);
+          tile::tile_ops<scalar_t>().score_grad_pairs(dp, p, cols, n, cols, scale_, delta, g_.H, ws.ds_pairs.data(),
+                                                      ld_rows, ws.ds_tpairs.data(), 2 * cols);
+          return {nullptr, ld_rows, nullptr, 0, {ws.ds_pairs.data(), ld_rows, 2}, {ws.ds_tpairs.data(), 2, 2 * cols}};
+        }
+      }
+      acc_ops.score_grad(dp, p, cols, n, cols, scale_, delta, g_.H);
+      return input_operand<scalar_t>(dp, ws.ds_in.data(), ws.ds_wide.data(), cols, n, cols, products_,
+                                     {ws.ds_pairs.data(), ws.ds_tpairs.data()});
+    }();
     row_product<scalar_t>(false, n, hd, cols, ds, k_rows, rows.ld, panels.key_rows, true, ws.dq.data() + q * hd,
                           hd);  // dQ += dS K
     row_product<scalar_t>(true, cols, hd, n, ds, q_rows, rows.ld,

@@ -101,6 +101,14 @@ struct TileOps {
   void (*round_pairs_transposed)(const acc_t* x, int64_t ld, int64_t rows, int64_t cols, scalar_t* dst,
                                  int64_t ld_dst);
 
+  // Where pair_gemm runs: the backward's dS = scale * P (dP - delta[i * delta_stride]) (as score_grad)
+  // rounded to bfloat16, written as pair_gemm's A both ways: rows (ld_rows >= cols + cols % 2, an odd
+  // cols' pad column zeroed) and transposed (round_pairs_transposed's layout, ld_t >= 2 cols). dp, p:
+  // rows x cols, float32, ld; left as they are.
+  void (*score_grad_pairs)(const acc_t* dp, const acc_t* p, int64_t ld, int64_t rows, int64_t cols, acc_t scale,
+                           const acc_t* delta, int64_t delta_stride, scalar_t* ds, int64_t ld_rows, scalar_t* ds_t,
+                           int64_t ld_t);
+
   // Where pair_gemm runs: out[r] = x[r, :] . y[r, :] (rows of n bfloat16, n even), summed pair by pair
   // as pair_gemm sums (so that the backward's delta = dO . O cancels dP = dO . v where O = v).
   void (*pair_dots)(const scalar_t* x, const scalar_t* y, int64_t rows, int64_t n, acc_t* out);

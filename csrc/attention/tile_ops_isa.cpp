@@ -1127,6 +1127,58 @@ CA_BF16_TARGET void round_pairs_transposed(const float* x, int64_t ld, int64_t r
   }
 }
 
+// dS = scale * P (dP - delta_i), row i, rounded to bfloat16 as score_grad computes and store rounds it,
+// written in both forms the pair micro-kernel reads: rows (ld_rows >= cols + cols % 2; an odd cols' pad
+// column zeroed) and transposed pairs (round_pairs_transposed's layout, ld_t >= 2 cols). dp and p
+// (rows x cols, float32, ld) are left as they are.
+CA_BF16_TARGET void score_grad_pairs(const float* dp, const float* p, int64_t ld, int64_t rows, int64_t cols,
+                                     float scale, const float* delta, int64_t delta_stride, c10::BFloat16* ds,
+                                     int64_t ld_rows, c10::BFloat16* ds_t, int64_t ld_t) {
+  constexpr int64_t W = Vec<float>::size();  // 16
+  const Vec<float> vscale(scale);
+  for (int64_t q = 0; q < (rows + 1) / 2; ++q) {
+    const int64_t i = 2 * q;
+    const bool pair = i + 1 < rows;  // else row i + 1 is the pad: dS = 0 there
+    const float d0 = delta[i * delta_stride];
+    const float d1 = pair ? delta[(i + 1) * delta_stride] : 0.0f;
+    const float* dp0 = dp + i * ld;
+    const float* p0 = p + i * ld;
+    c10::BFloat16* out0 = ds + i * ld_rows;
+    c10::BFloat16* out_t = ds_t + q * ld_t;
+    const Vec<float> vd0(d0), vd1(d1);
+    int64_t j = 0;
+    for (; j + W <= cols; j += W) {
+      const Vec<float> lo = vscale * Vec<float>::loadu(p0 + j) * (Vec<float>::loadu(dp0 + j) - vd0);
+      const Vec<float> hi =
+          pair ? vscale * Vec<float>::loadu(p0 + ld + j) * (Vec<float>::loadu(dp0 + ld + j) - vd1) : Vec<float>(0.0f);
+      const __m512i both = at::vec::convert_from_float<c10::BFloat16>(lo, hi);  // lo's 16 values, then hi's
+      const __m256i lo16 = _mm512_castsi512_si256(both);
+      const __m256i hi16 = _mm512_extracti64x4_epi64(both, 1);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out0 + j), lo16);
+      if (pair) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out0 + ld_rows + j), hi16);
+      }
+      _mm512_storeu_si512(out_t + 2 * j, interleave16(lo16, hi16));
+    }
+    for (; j < cols; ++j) {
+      const auto lo = c10::BFloat16(scale * p0[j] * (dp0[j] - d0));
+      const auto hi = pair ? c10::BFloat16(scale * p0[ld + j] * (dp0[ld + j] - d1)) : c10::BFloat16(0.0f);
+      out0[j] = lo;
+      if (pair) {
+        out0[ld_rows + j] = hi;
+      }
+      out_t[2 * j] = lo;
+      out_t[2 * j + 1] = hi;
+    }
+    if (cols % 2 != 0) {
+      out0[cols] = c10::BFloat16(0.0f);
+      if (pair) {
+        out0[ld_rows + cols] = c10::BFloat16(0.0f);
+      }
+    }
+  }
+}
+
 // out[r] = x[r, :] . y[r, :] (rows of n bfloat16, n even) summed pair by pair with vdpbf16ps from 0, as
 // pair_gemm sums a dot product: the backward's delta = dO . O then cancels dP = dO . v bit for bit where
 // O = v.
@@ -1459,6 +1511,7 @@ TileOps<scalar_t> make_tile_ops() {
   ops.pair_gemm = nullptr;
   ops.pair_panels = nullptr;
   ops.round_pairs_transposed = nullptr;
+  ops.score_grad_pairs = nullptr;
   ops.pair_dots = nullptr;
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<scalar_t, float>) {
@@ -1478,6 +1531,7 @@ TileOps<scalar_t> make_tile_ops() {
       ops.pair_gemm = &pair_gemm;
       ops.pair_panels = &pair_panels;
       ops.round_pairs_transposed = &round_pairs_transposed;
+      ops.score_grad_pairs = &score_grad_pairs;
       ops.pair_dots = &pair_dots;
     }
   }

@@ -1,5 +1,5 @@
 // The bfloat16 pair micro-kernel of the tile products (tile_ops.h: pair_gemm, pair_panels,
-// round_pairs_transposed, pair_dots), AVX512's table called directly; skipped on CPUs without
+// round_pairs_transposed, score_grad_pairs, pair_dots), AVX512's table called directly; skipped on CPUs without
 // AVX512-BF16 (where the table leaves them nullptr, which is tested too).
 // pair_gemm is exact where every product and partial sum is (small integers), within float32's error
 // bound of the float64 product otherwise, for row-major and transposed A, B packed from rows or from
@@ -43,6 +43,7 @@ TEST(PairGemm, OnlyWhereTheCpuHasAvx512Bf16) {
   EXPECT_NE(ops.pair_gemm, nullptr);
   EXPECT_NE(ops.pair_panels, nullptr);
   EXPECT_NE(ops.round_pairs_transposed, nullptr);
+  EXPECT_NE(ops.score_grad_pairs, nullptr);
   EXPECT_NE(ops.pair_dots, nullptr);
 }
 
@@ -106,6 +107,65 @@ TEST(PairGemm, RoundsTransposedPairsExactly) {
         }
       }
       EXPECT_EQ(wrong, 0) << "rows " << rows << " cols " << cols;
+    }
+  }
+}
+
+// score_grad_pairs: dS = scale * P (dP - delta) (float32, as score_grad computes it) rounded as ATen
+// rounds, in rows (an odd cols' pad column zeroed) and as round_pairs_transposed lays out x^T, bit for
+// bit; nothing written past either form's columns; dp and p left as they were.
+TEST(PairGemm, ScoreGradPairsRoundsDsBothWays) {
+  if (!has_avx512_bf16()) {
+    GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  }
+  const auto ops = tile::AVX512::tile_ops_bfloat16();
+  const auto float_ops = tile::AVX512::tile_ops_float();
+  torch::manual_seed(0);
+  const float scale = 0.125f;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const int64_t rows : {1, 2, 7, 64}) {
+    for (const int64_t cols : {1, 15, 16, 17, 33, 128}) {
+      const int64_t ld = cols + 3;
+      const auto p = torch::rand({rows, ld});
+      const auto dp = torch::randn({rows, ld}) * 10;
+      const auto delta = torch::randn({rows, 2});  // stride 2: one head of two
+      const auto p0 = p.clone(), dp0 = dp.clone();
+      // The float32 dS of score_grad, then rounded.
+      auto want = dp.clone();
+      float_ops.score_grad(want.data_ptr<float>(), p.const_data_ptr<float>(), ld, rows, cols, scale,
+                           delta.const_data_ptr<float>(), 2);
+      const auto want_bf16 = want.to(torch::kBFloat16);
+      const auto r = want_bf16.accessor<BFloat16, 2>();
+      const int64_t ld_rows = cols + cols % 2 + 2;
+      const int64_t ld_t = 2 * cols + 5;
+      std::vector<BFloat16> ds(rows * ld_rows, BFloat16(nan)), ds_t(ceil_div(rows, 2) * ld_t, BFloat16(nan));
+      ops.score_grad_pairs(dp.const_data_ptr<float>(), p.const_data_ptr<float>(), ld, rows, cols, scale,
+                           delta.const_data_ptr<float>(), 2, ds.data(), ld_rows, ds_t.data(), ld_t);
+      int64_t wrong = 0;
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t j = 0; j < ld_rows; ++j) {
+          const float at = static_cast<float>(ds[i * ld_rows + j]);
+          if (j < cols) {
+            wrong += bits(ds[i * ld_rows + j]) != bits(r[i][j]);
+          } else if (j < cols + cols % 2) {
+            wrong += at != 0.0f || std::signbit(at);
+          } else {
+            wrong += !std::isnan(at);
+          }
+        }
+      }
+      for (int64_t q = 0; q < ceil_div(rows, 2); ++q) {
+        for (int64_t j = 0; j < cols; ++j) {
+          wrong += bits(ds_t[q * ld_t + 2 * j]) != bits(r[2 * q][j]);
+          const BFloat16 second = 2 * q + 1 < rows ? r[2 * q + 1][j] : BFloat16(0.0f);
+          wrong += bits(ds_t[q * ld_t + 2 * j + 1]) != bits(second);
+        }
+        for (int64_t j = 2 * cols; j < ld_t; ++j) {
+          wrong += !std::isnan(static_cast<float>(ds_t[q * ld_t + j]));
+        }
+      }
+      EXPECT_EQ(wrong, 0) << "rows " << rows << " cols " << cols;
+      EXPECT_TRUE(torch::equal(p, p0) && torch::equal(dp, dp0)) << "rows " << rows << " cols " << cols;
     }
   }
 }
