@@ -57,17 +57,25 @@ at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight_in,
   const auto bias = bias_in.has_value() ? std::optional<at::Tensor>(bias_in->contiguous()) : std::nullopt;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "few_rows_linear", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    // The rows in acc_t, contiguous: read by every work item.
-    const auto x_acc = x.reshape({rows, in}).to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
-    const acc_t* xp = x_acc.const_data_ptr<acc_t>();
     const scalar_t* wp = weight.const_data_ptr<scalar_t>();
     const scalar_t* bp = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
     scalar_t* yp = y.data_ptr<scalar_t>();
     const auto& ops = tile::tile_ops<scalar_t>();
-    at::parallel_for(0, ceil_div(out_features, kOutputBlock), 1, [&](int64_t begin, int64_t end) {
-      ops.linear_rows(xp, rows, in, wp, bp, begin * kOutputBlock, std::min(out_features, end * kOutputBlock), yp,
-                      out_features);
-    });
+    const auto work_items = [&](const auto& rows_of) {  // rows_of(o0, o1): outputs o0..o1 of every row
+      at::parallel_for(0, ceil_div(out_features, kOutputBlock), 1, [&](int64_t begin, int64_t end) {
+        rows_of(begin * kOutputBlock, std::min(out_features, end * kOutputBlock));
+      });
+    };
+    if (ops.linear_rows_pairs != nullptr) {  // bfloat16 pairs: the rows as they are, contiguous
+      const auto x_rows = x.reshape({rows, in}).contiguous();
+      const scalar_t* xp = x_rows.const_data_ptr<scalar_t>();
+      work_items([&](int64_t o0, int64_t o1) { ops.linear_rows_pairs(xp, rows, in, wp, bp, o0, o1, yp, out_features); });
+      return;
+    }
+    // The rows in acc_t, contiguous: read by every work item.
+    const auto x_acc = x.reshape({rows, in}).to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
+    const acc_t* xp = x_acc.const_data_ptr<acc_t>();
+    work_items([&](int64_t o0, int64_t o1) { ops.linear_rows(xp, rows, in, wp, bp, o0, o1, yp, out_features); });
   });
   return y;
 }

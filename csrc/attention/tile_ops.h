@@ -81,6 +81,12 @@ struct TileOps {
   void (*linear_rows)(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o0,
                       int64_t o1, scalar_t* y, int64_t ld_y);
 
+  // bfloat16 only, where the CPU has AVX512-BF16 (else nullptr): linear_rows with x as bfloat16 rows
+  // (rows x in, contiguous) and the products summed pair by pair with vdpbf16ps (each pair's two products
+  // exact in float32; subnormal bfloat16 operands read as 0, as in pair_gemm).
+  void (*linear_rows_pairs)(const scalar_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias,
+                            int64_t o0, int64_t o1, scalar_t* y, int64_t ld_y);
+
   // bfloat16 only, where the CPU has AVX512-BF16 (else nullptr): the pair micro-kernel. C (m x n,
   // float32, ldc) = A . B, or C += A . B when accumulate, over k2 pairs of k: pair (i, p) of A is the two
   // bfloat16 A(i, 2p), A(i, 2p + 1) at a + i * rs_a + p * cs_a (adjacent in memory: a row-major A with

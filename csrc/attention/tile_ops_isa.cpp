@@ -888,17 +888,27 @@ constexpr int kLinearRows = 8;
 constexpr int kLinearRows = 4;
 #endif
 
-// The RO weight rows at w against every row of x, in blocks of kLinearRows, then 4, 2 and 1 rows;
-// the pf_lines cache lines from pf are prefetched over the blocks, in proportion to their rows.
-template <int RO, typename scalar_t, typename acc_t>
-void linear_rows_block(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o,
+// The block kernel of linear_rows: fused multiply-adds on x widened to acc_t (linear_block, every
+// build); the AVX512-BF16 build also has pairs of bfloat16 (PairBlock).
+struct FmaBlock {
+  template <int RM, int RO, typename scalar_t, typename acc_t>
+  static void run(const acc_t* x, const scalar_t* w, int64_t in, acc_t* s, const char* pf, int64_t lines) {
+    linear_block<RM, RO>(x, w, in, s, pf, lines);
+  }
+};
+
+// The RO weight rows at w against every row of x, in blocks of kLinearRows, then 4, 2 and 1 rows (each
+// by Block::run); the pf_lines cache lines from pf are prefetched over the blocks, in proportion to
+// their rows.
+template <int RO, typename Block, typename x_t, typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void linear_rows_block(const x_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o,
                        scalar_t* y, int64_t ld_y, const char* pf, int64_t pf_lines) {
   acc_t s[kLinearRows * RO];
   int64_t done = 0;  // lines prefetched so far
   const auto run = [&](auto rm, int64_t m) {
     constexpr int RM = decltype(rm)::value;
     const int64_t lines = pf_lines * (m + RM) / rows - done;
-    linear_block<RM, RO>(x + m * in, w, in, s, pf + 64 * done, lines);
+    Block::template run<RM, RO>(x + m * in, w, in, s, pf + 64 * done, lines);
     done += lines;
     for (int i = 0; i < RM; ++i) {
       for (int r = 0; r < RO; ++r) {
@@ -924,8 +934,9 @@ void linear_rows_block(const acc_t* x, int64_t rows, int64_t in, const scalar_t*
   }
 }
 
-template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void linear_rows(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o0,
+// linear_rows of tile_ops.h with Block's kernel on x's rows (acc_t for FmaBlock, bfloat16 for PairBlock).
+template <typename scalar_t, typename Block = FmaBlock, typename x_t = at::opmath_type<scalar_t>>
+void linear_rows(const x_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o0,
                  int64_t o1, scalar_t* y, int64_t ld_y) {
   // 3 weight rows per block; the rows kAhead blocks ahead are prefetched into L2 meanwhile, so
   // that memory streams while the FMAs work. Measured on Zen 4 (qkv of the decode bench, weight
@@ -951,10 +962,10 @@ void linear_rows(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, co
   int64_t o = o0;
   for (; o + kOut <= o1; o += kOut) {
     const auto [pf, lines] = lines_of(o + kAhead * kOut, kOut);
-    linear_rows_block<kOut>(x, rows, in, w + o * in, bias, o, y, ld_y, pf, lines);
+    linear_rows_block<kOut, Block>(x, rows, in, w + o * in, bias, o, y, ld_y, pf, lines);
   }
   for (; o < o1; ++o) {
-    linear_rows_block<1>(x, rows, in, w + o * in, bias, o, y, ld_y, nullptr, 0);
+    linear_rows_block<1, Block>(x, rows, in, w + o * in, bias, o, y, ld_y, nullptr, 0);
   }
 }
 
@@ -1126,6 +1137,83 @@ CA_BF16_TARGET void round_pairs_transposed(const float* x, int64_t ld, int64_t r
     }
   }
 }
+
+// One step of pair_linear_block: the 32 values from d of RM x rows and RO weight rows (those outside
+// `mask` read as 0) into the accumulators.
+template <int RM, int RO>
+CA_BF16_TARGET inline void pair_linear_step(const c10::BFloat16* x, const c10::BFloat16* w, int64_t in, int64_t d,
+                                            __mmask32 mask, __m512 (&acc)[RM][RO]) {
+  __m512i xv[RM];
+#pragma GCC unroll 8
+  for (int i = 0; i < RM; ++i) {
+    xv[i] = _mm512_maskz_loadu_epi16(mask, x + i * in + d);
+    __asm__("" : "+v"(xv[i]));  // in a register: see keep_in_register
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RO; ++r) {
+    const __m512i wv = _mm512_maskz_loadu_epi16(mask, w + r * in + d);
+  #pragma GCC unroll 8
+  for (int i = 0; i < RM; ++i) {
+      acc[i][r] = _mm512_dpbf16_ps(acc[i][r], (__m512bh)xv[i], (__m512bh)wv);
+    }
+  }
+}
+
+// out[i][r]: float32 lanes that add up to x[i] . w[r], for RM rows of x and RO rows of w, all
+// bfloat16: 32 values (16 pairs) a step, each vdpbf16ps adding a pair's two products (exact in float32)
+// to a lane's sum, the last step's values past `in` loaded as 0. Half the instructions of widening the
+// weights for float32 fused multiply-adds, which left the 8 rows of a decode step compute bound.
+// Meanwhile `lines` cache lines from pf are prefetched into L2, spread evenly over the pass.
+template <int RM, int RO>
+CA_BF16_TARGET void pair_linear_block(const c10::BFloat16* x, const c10::BFloat16* w, int64_t in,
+                                      __m512 (&out)[RM][RO], const char* pf, int64_t lines) {
+  constexpr int64_t kStep = 32;
+  __m512 acc[RM][RO];  // local, so that they stay in registers (out is memory)
+#pragma GCC unroll 8
+  for (int i = 0; i < RM; ++i) {
+  #pragma GCC unroll 8
+  for (int r = 0; r < RO; ++r) {
+      acc[i][r] = _mm512_setzero_ps();
+    }
+  }
+  const int64_t steps = (in + kStep - 1) / kStep;
+  int64_t line = 0;
+  int64_t owed = 0;  // Bresenham: `lines` prefetches over `steps` steps
+  for (int64_t d = 0; d < in; d += kStep) {
+    for (owed += lines; owed >= steps; owed -= steps, ++line) {
+      __builtin_prefetch(pf + 64 * line, 0, 2);  // prefetcht1: into L2
+    }
+    const __mmask32 mask = d + kStep <= in ? ~__mmask32(0) : (__mmask32(1) << (in - d)) - 1;
+    pair_linear_step<RM, RO>(x, w, in, d, mask, acc);
+  }
+  for (; line < lines; ++line) {
+    __builtin_prefetch(pf + 64 * line, 0, 2);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < RM; ++i) {
+  #pragma GCC unroll 8
+  for (int r = 0; r < RO; ++r) {
+      out[i][r] = acc[i][r];
+    }
+  }
+}
+
+// linear_rows' block kernel on bfloat16 pairs (x as the input's bfloat16 rows).
+// (The lanes are added here, outside the AVX512-BF16 target, where GCC 12 does not warn inside the
+// shuffle intrinsics of at::vec's reduction.)
+struct PairBlock {
+  template <int RM, int RO>
+  static void run(const c10::BFloat16* x, const c10::BFloat16* w, int64_t in, float* s, const char* pf,
+                  int64_t lines) {
+    __m512 acc[RM][RO];
+    pair_linear_block<RM, RO>(x, w, in, acc, pf, lines);
+    for (int i = 0; i < RM; ++i) {
+      for (int r = 0; r < RO; ++r) {
+        s[i * RO + r] = at::vec::vec_reduce_all<float>(std::plus<Vec<float>>(), Vec<float>(acc[i][r]));
+      }
+    }
+  }
+};
 
 // dS = scale * P (dP - delta_i), row i, rounded to bfloat16 as score_grad computes and store rounds it,
 // written in both forms the pair micro-kernel reads: rows (ld_rows >= cols + cols % 2; an odd cols' pad
@@ -1512,6 +1600,7 @@ TileOps<scalar_t> make_tile_ops() {
   ops.pair_panels = nullptr;
   ops.round_pairs_transposed = nullptr;
   ops.score_grad_pairs = nullptr;
+  ops.linear_rows_pairs = nullptr;
   ops.pair_dots = nullptr;
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<scalar_t, float>) {
@@ -1532,6 +1621,7 @@ TileOps<scalar_t> make_tile_ops() {
       ops.pair_panels = &pair_panels;
       ops.round_pairs_transposed = &round_pairs_transposed;
       ops.score_grad_pairs = &score_grad_pairs;
+      ops.linear_rows_pairs = &linear_rows<c10::BFloat16, PairBlock, c10::BFloat16>;
       ops.pair_dots = &pair_dots;
     }
   }

@@ -4,7 +4,7 @@
 // derived from the data, and nothing written outside [o0, o1). Row counts below, at and across the
 // builds' row blocks (8 on AVX-512, 4 on AVX2, then 4 / 2 / 1), input sizes that are and are not whole
 // vectors (the scalar tail), weight ranges that do and do not fill the 3-row blocks and the prefetch
-// window ahead of them.
+// window ahead of them; and the bfloat16 pair kernel (linear_rows_pairs) where the CPU has AVX512-BF16.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -22,9 +22,10 @@ namespace {
 
 namespace tile = causal_attention::tile;
 
+// pairs: the bfloat16 table's linear_rows_pairs (x as bfloat16 rows) instead of linear_rows.
 template <typename scalar_t>
 void check_case(const tile::TileOps<scalar_t>& ops, torch::ScalarType dtype, int64_t rows, int64_t in, int64_t out,
-                int64_t o0, int64_t o1, bool with_bias, const std::string& where) {
+                int64_t o0, int64_t o1, bool with_bias, bool pairs, const std::string& where) {
   using acc_t = at::opmath_type<scalar_t>;
   const auto acc_type = c10::CppTypeToScalarType<acc_t>::value;
   const auto x = (torch::randn({rows, in}, torch::kFloat64) * 3).to(dtype);  // the caller widens x to acc_t
@@ -34,8 +35,14 @@ void check_case(const tile::TileOps<scalar_t>& ops, torch::ScalarType dtype, int
   // y is wider than the outputs (ld_y = out + 3) and starts as NaN: what the kernel must not touch stays NaN.
   const int64_t ld_y = out + 3;
   auto y = torch::full({rows, ld_y}, std::numeric_limits<double>::quiet_NaN(), torch::kFloat64).to(dtype);
-  ops.linear_rows(x_acc.const_data_ptr<acc_t>(), rows, in, w.const_data_ptr<scalar_t>(),
-                  with_bias ? b.const_data_ptr<scalar_t>() : nullptr, o0, o1, y.data_ptr<scalar_t>(), ld_y);
+  const scalar_t* bias = with_bias ? b.const_data_ptr<scalar_t>() : nullptr;
+  if (pairs) {
+    ops.linear_rows_pairs(x.const_data_ptr<scalar_t>(), rows, in, w.const_data_ptr<scalar_t>(), bias, o0, o1,
+                          y.data_ptr<scalar_t>(), ld_y);
+  } else {
+    ops.linear_rows(x_acc.const_data_ptr<acc_t>(), rows, in, w.const_data_ptr<scalar_t>(), bias, o0, o1,
+                    y.data_ptr<scalar_t>(), ld_y);
+  }
   const auto xd = x.to(torch::kFloat64), wd = w.to(torch::kFloat64), bd = b.to(torch::kFloat64);
   const auto yd = y.to(torch::kFloat64);
   const auto ref = torch::mm(xd, wd.t()) + (with_bias ? bd : torch::zeros_like(bd));  // (rows, out)
@@ -56,15 +63,16 @@ void check_case(const tile::TileOps<scalar_t>& ops, torch::ScalarType dtype, int
 }
 
 template <typename scalar_t>
-void check_table(const tile::TileOps<scalar_t>& ops, torch::ScalarType dtype, const std::string& isa) {
-  ASSERT_NE(ops.linear_rows, nullptr);
+void check_table(const tile::TileOps<scalar_t>& ops, torch::ScalarType dtype, const std::string& isa,
+                 bool pairs = false) {
+  ASSERT_TRUE(pairs ? ops.linear_rows_pairs != nullptr : ops.linear_rows != nullptr);
   constexpr int64_t out = 40;
   for (const int64_t rows : {1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 16, 17}) {
     for (const int64_t in : {1, 7, 16, 17, 33, 80, 768}) {
       for (const auto& [o0, o1] : {std::pair<int64_t, int64_t>{0, out}, {5, out - 1}, {7, 8}, {0, 31}}) {
         for (const bool with_bias : {true, false}) {
-          check_case(ops, dtype, rows, in, out, o0, o1, with_bias,
-                     isa + " " + std::string(c10::toString(dtype)) + " rows " + std::to_string(rows) + " in " +
+          check_case(ops, dtype, rows, in, out, o0, o1, with_bias, pairs,
+                     isa + (pairs ? " pairs " : " ") + std::string(c10::toString(dtype)) + " rows " + std::to_string(rows) + " in " +
                          std::to_string(in) + " outputs [" + std::to_string(o0) + ", " + std::to_string(o1) +
                          ")" + (with_bias ? " bias" : ""));
         }
@@ -101,6 +109,21 @@ TEST(LinearRows, MatchesFloat64LinearInTheAvx512Build) {
   }
   check_isa(tile::AVX512::tile_ops_double, tile::AVX512::tile_ops_float, tile::AVX512::tile_ops_bfloat16,
             tile::AVX512::tile_ops_half, "AVX512");
+}
+
+// bfloat16 pairs (vdpbf16ps): each pair's products exact in float32, sums in float32, as the bound assumes
+// (the normal values here are far from bfloat16's subnormals, which the instruction reads as 0).
+TEST(LinearRows, PairsMatchFloat64LinearWhereTheCpuHasAvx512Bf16) {
+  if (!has_avx512_bf16()) {
+    if (has_avx512()) {
+      EXPECT_EQ(tile::AVX512::tile_ops_bfloat16().linear_rows_pairs, nullptr);
+    }
+    GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  }
+  torch::manual_seed(0);
+  check_table(tile::AVX512::tile_ops_bfloat16(), torch::kBFloat16, "AVX512", true);
+  EXPECT_EQ(tile::AVX512::tile_ops_float().linear_rows_pairs, nullptr);
+  EXPECT_EQ(tile::AVX512::tile_ops_half().linear_rows_pairs, nullptr);
 }
 
 }  // namespace
