@@ -523,7 +523,8 @@ class BackwardPass {
           const int64_t ld_rows = pair_row_ld(cols);
           tile::tile_ops<scalar_t>().score_grad_pairs(dp, p, cols, n, cols, scale_, delta, g_.H, ws.ds_pairs.data(),
                                                       ld_rows, ws.ds_tpairs.data(), 2 * cols);
-          return {nullptr, ld_rows, nullptr, 0, {ws.ds_pairs.data(), ld_rows, 2}, {ws.ds_tpairs.data(), 2, 2 * cols}};
+          return {nullptr, ld_rows, nullptr, 0, pair_rows_view(ws.ds_pairs.data(), cols),
+                  transposed_pairs_view(ws.ds_tpairs.data(), cols)};
         }
       }
       acc_ops.score_grad(dp, p, cols, n, cols, scale_, delta, g_.H);

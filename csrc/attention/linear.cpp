@@ -69,7 +69,8 @@ at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight_in,
     if (ops.linear_rows_pairs != nullptr) {  // bfloat16 pairs: the rows as they are, contiguous
       const auto x_rows = x.reshape({rows, in}).contiguous();
       const scalar_t* xp = x_rows.const_data_ptr<scalar_t>();
-      work_items([&](int64_t o0, int64_t o1) { ops.linear_rows_pairs(xp, rows, in, wp, bp, o0, o1, yp, out_features); });
+      work_items(
+          [&](int64_t o0, int64_t o1) { ops.linear_rows_pairs(xp, rows, in, wp, bp, o0, o1, yp, out_features); });
       return;
     }
     // The rows in acc_t, contiguous: read by every work item.

@@ -75,7 +75,7 @@ struct TileOps {
   // A linear layer on a few rows (a decode step): y[m * ld_y + o] = x[m, :] . w[o, :] (+ bias[o]) for
   // m < rows and o0 <= o < o1. x: rows x in, acc_t, contiguous (bfloat16/half inputs widened by the
   // caller); w: out x in, contiguous, its rows o0..o1 streamed from memory once (3 at a time stay in
-  // L1 while every x row passes, 8 x rows per pass on AVX-512 and 4 on AVX2; the rows two blocks
+  // L1 while every x row passes, 8 x rows per pass on AVX-512 and 4 elsewhere; the rows two blocks
   // further on, up to o1, prefetched into L2 meanwhile); bias: nullptr or out values. Sums in acc_t,
   // one rounding to the output.
   void (*linear_rows)(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o0,
@@ -83,7 +83,8 @@ struct TileOps {
 
   // bfloat16 only, where the CPU has AVX512-BF16 (else nullptr): linear_rows with x as bfloat16 rows
   // (rows x in, contiguous) and the products summed pair by pair with vdpbf16ps (each pair's two products
-  // exact in float32; subnormal bfloat16 operands read as 0, as in pair_gemm).
+  // exact in float32; subnormal bfloat16 operands read as 0 and subnormal sums flushed to 0, as in
+  // pair_gemm).
   void (*linear_rows_pairs)(const scalar_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias,
                             int64_t o0, int64_t o1, scalar_t* y, int64_t ld_y);
 

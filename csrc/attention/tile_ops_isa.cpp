@@ -122,9 +122,12 @@ inline acc_t max_of(const acc_t* x, int64_t n) {
   return result;
 }
 
-// x[j] = exp(scale * x[j] - shift) for j < n, in place; returns the sum. -inf entries give 0.
-template <typename acc_t>
-inline acc_t exp_scaled_inplace(acc_t* x, int64_t n, acc_t scale, acc_t shift) {
+// dst[j] = exp(scale * x[j] - shift) for j < n, rounded to out_t where narrower (dst may be x, in
+// place); returns the sum of the unrounded values. -inf entries give 0. One order of operations for
+// every out_t, so P in place and P rounded as it is made hold the same values and sums.
+template <typename acc_t, typename out_t>
+inline acc_t exp_scaled_to(const acc_t* x, int64_t n, acc_t scale, acc_t shift, out_t* dst) {
+  static_assert(std::is_same_v<out_t, acc_t> || kReduced<out_t>, "exp_scaled_to: acc_t or a narrower type out");
   int64_t j = 0;
   acc_t sum = 0;
   if constexpr (std::is_same_v<acc_t, float>) {
@@ -134,7 +137,11 @@ inline acc_t exp_scaled_inplace(acc_t* x, int64_t n, acc_t scale, acc_t shift) {
     Vec<float> vsum(0.f);
     for (; j + W <= n; j += W) {
       const auto e = at::vec::fmsub(Vec<float>::loadu(x + j), vscale, vshift).exp_u20();
-      e.store(x + j);
+      if constexpr (std::is_same_v<out_t, float>) {
+        e.store(dst + j);
+      } else {
+        store_narrowed(e, dst + j);
+      }
       vsum = vsum + e;
     }
     float lanes[W];
@@ -144,48 +151,24 @@ inline acc_t exp_scaled_inplace(acc_t* x, int64_t n, acc_t scale, acc_t shift) {
     }
   }
   for (; j < n; ++j) {
-    x[j] = std::exp(x[j] * scale - shift);
-    sum += x[j];
-  }
-  return sum;
-}
-
-// dst[j] = exp(scale * x[j] - shift) rounded to out_t for j < n (x: float32, left as it is); returns
-// the sum of the unrounded values, added in exp_scaled_inplace's order (so both give the same sum and,
-// once rounded, the same values).
-template <typename out_t>
-inline float exp_scaled_rounded(const float* x, int64_t n, float scale, float shift, out_t* dst) {
-  int64_t j = 0;
-  float sum = 0;
-  if constexpr (kReduced<out_t>) {
-    constexpr int64_t W = Vec<float>::size();
-    const Vec<float> vscale(scale);
-    const Vec<float> vshift(shift);
-    Vec<float> vsum(0.f);
-    for (; j + 2 * W <= n; j += 2 * W) {
-      const auto lo = at::vec::fmsub(Vec<float>::loadu(x + j), vscale, vshift).exp_u20();
-      const auto hi = at::vec::fmsub(Vec<float>::loadu(x + j + W), vscale, vshift).exp_u20();
-      vsum = vsum + lo;
-      vsum = vsum + hi;
-      store_narrowed(lo, hi, dst + j);
-    }
-    for (; j + W <= n; j += W) {
-      const auto e = at::vec::fmsub(Vec<float>::loadu(x + j), vscale, vshift).exp_u20();
-      vsum = vsum + e;
-      store_narrowed(e, dst + j);
-    }
-    float lanes[W];
-    vsum.store(lanes);
-    for (int64_t w = 0; w < W; ++w) {
-      sum += lanes[w];
-    }
-  }
-  for (; j < n; ++j) {
-    const float e = std::exp(x[j] * scale - shift);
+    const acc_t e = std::exp(x[j] * scale - shift);
     dst[j] = static_cast<out_t>(e);
     sum += e;
   }
   return sum;
+}
+
+template <typename acc_t>
+inline acc_t exp_scaled_inplace(acc_t* x, int64_t n, acc_t scale, acc_t shift) {
+  return exp_scaled_to(x, n, scale, shift, x);
+}
+
+// row[j] = -inf for the keys j < n that key_mask marks as padding.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+inline void mask_keys(scalar_t* row, int64_t n, const bool* key_mask) {
+  for (int64_t j = 0; j < n; ++j) {
+    row[j] = key_mask[j] ? row[j] : static_cast<scalar_t>(kNegInf<acc_t>);
+  }
 }
 
 // The online-softmax step of one tile (tile_ops.h, softmax_tile): the scores in s (scalar_t; widened
@@ -201,9 +184,7 @@ void softmax_rows(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t sca
     out_t* p_row = p + i * ld_p;
     const int64_t n = std::clamp<int64_t>(i + causal_offset + 1, 0, cols);  // allowed prefix
     if (key_mask != nullptr) {
-      for (int64_t j = 0; j < n; ++j) {
-        row[j] = key_mask[j] ? row[j] : static_cast<scalar_t>(kNegInf<acc_t>);
-      }
+      mask_keys(row, n, key_mask);
     }
     // float works in place; narrower types are widened into buf once (vectorised max and exp).
     acc_t* x = nullptr;
@@ -221,12 +202,7 @@ void softmax_rows(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t sca
       continue;
     }
     alpha[i] = std::exp(m[i] - m_new);  // 0 when m[i] = -inf
-    acc_t sum;
-    if constexpr (std::is_same_v<out_t, acc_t>) {
-      sum = exp_scaled_inplace(x, n, scale, m_new);  // x is p_row
-    } else {
-      sum = exp_scaled_rounded(x, n, scale, m_new, p_row);
-    }
+    const acc_t sum = exp_scaled_to(x, n, scale, m_new, p_row);  // in place (x is p_row) or rounded
     std::fill(p_row + n, p_row + cols, out_t(0));
     l[i] = l[i] * alpha[i] + sum;
     m[i] = m_new;
@@ -242,6 +218,7 @@ void softmax_tile(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t sca
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void softmax_tile_rounded(acc_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
                           const bool* key_mask, acc_t* m, acc_t* l, acc_t* alpha, scalar_t* p, int64_t ld_p) {
+  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(ld_p >= cols);
   softmax_rows(s, ld, rows, cols, scale, causal_offset, key_mask, m, l, alpha, static_cast<acc_t*>(nullptr), p,
                ld_p);
 }
@@ -364,10 +341,6 @@ void fma_dots(const scalar_t* x, const scalar_t* y, int64_t rows, int64_t n, acc
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void probabilities(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
                    const bool* key_mask, const acc_t* lse) {
-  // Narrower types are widened into a row of scratch on the stack per block of columns (free of
-  // allocation); float and double work in place.
-  constexpr int64_t kChunk = 256;
-  acc_t buf[kChunk];
   for (int64_t i = 0; i < rows; ++i) {
     scalar_t* row = s + i * ld;
     const int64_t n = std::clamp<int64_t>(i + causal_offset + 1, 0, cols);
@@ -375,26 +348,22 @@ void probabilities(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t sc
       std::fill(row, row + cols, scalar_t(0));
       continue;
     }
-    if constexpr (std::is_same_v<scalar_t, acc_t>) {  // in place (the same values as chunk by chunk)
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {  // in place
       if (key_mask != nullptr) {
-        for (int64_t j = 0; j < n; ++j) {
-          row[j] = key_mask[j] ? row[j] : kNegInf<acc_t>;
-        }
+        mask_keys(row, n, key_mask);
       }
       exp_scaled_inplace(row, n, scale, lse[i]);
-      std::fill(row + n, row + cols, scalar_t(0));
-      continue;
-    }
-    for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
-      const int64_t c = std::min(kChunk, n - c0);
-      load_scaled(row + c0, c, acc_t(1), buf);
-      if (key_mask != nullptr) {
-        for (int64_t j = 0; j < c; ++j) {
-          buf[j] = key_mask[c0 + j] ? buf[j] : kNegInf<acc_t>;
+    } else {  // widened into a row of scratch on the stack per block of columns (free of allocation)
+      constexpr int64_t kChunk = 256;
+      acc_t buf[kChunk];
+      for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+        const int64_t c = std::min(kChunk, n - c0);
+        load_scaled(row + c0, c, acc_t(1), buf);
+        if (key_mask != nullptr) {
+          mask_keys<acc_t>(buf, c, key_mask + c0);
         }
+        exp_scaled_to(buf, c, scale, lse[i], row + c0);
       }
-      exp_scaled_inplace(buf, c, scale, lse[i]);
-      store_row(buf, c, c, row + c0);
     }
     std::fill(row + n, row + cols, scalar_t(0));
   }
@@ -880,8 +849,9 @@ inline void linear_block(const acc_t* x, const scalar_t* w, int64_t in, acc_t* s
 }
 
 // Input rows per pass over a block of weight rows: 8 where there are 32 vector registers (8 x
-// vectors + 8 x 3 accumulators; the weight is then read once for up to 8 rows), 4 with AVX2's 16
-// (on Zen 3 the 8-row block spilled and streamed at 16 GB/s against 20 for 4 rows).
+// vectors + 8 x 3 accumulators, all but one in registers; the weight is then read once for up to 8
+// rows), 4 with AVX2's 16 and in the DEFAULT build (on Zen 3 the 8-row block spilled and streamed at
+// 16 GB/s against 20 for 4 rows).
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kLinearRows = 8;
 #else
@@ -889,7 +859,7 @@ constexpr int kLinearRows = 4;
 #endif
 
 // The block kernel of linear_rows: fused multiply-adds on x widened to acc_t (linear_block, every
-// build); the AVX512-BF16 build also has pairs of bfloat16 (PairBlock).
+// build); the AVX512 build also has pairs of bfloat16 (PairBlock) for CPUs with AVX512-BF16.
 struct FmaBlock {
   template <int RM, int RO, typename scalar_t, typename acc_t>
   static void run(const acc_t* x, const scalar_t* w, int64_t in, acc_t* s, const char* pf, int64_t lines) {
@@ -948,7 +918,7 @@ void linear_rows(const x_t* x, int64_t rows, int64_t in, const scalar_t* w, cons
   // first byte to the line of their last; none when the range is empty.
   const auto lines_of = [&](int64_t first, int64_t count) -> std::pair<const char*, int64_t> {
     const int64_t last = std::min(first + count, o1);
-    if (first >= last) {
+    if (first >= last || in == 0) {  // (in == 0: rows of no bytes)
       return {nullptr, 0};
     }
     const auto begin = reinterpret_cast<uintptr_t>(w + first * in) & ~uintptr_t(63);
@@ -1112,30 +1082,64 @@ CA_BF16_TARGET void pair_panels(const c10::BFloat16* src, int64_t rs, int64_t cs
   }
 }
 
+// The row pairs of a rows x cols float32 tile whose values come from value(i, j) (W of them from j)
+// and value1(i, j) (one), rounded to bfloat16 as ATen rounds, written as pair_gemm's transposed A
+// (round_pairs_transposed's layout at dst_t, ld_t; an odd rows' last pair completed with 0) and, where
+// dst_rows is not nullptr, as rows (ld_rows; an odd cols' pad column zeroed).
+template <typename Value, typename Value1>
+CA_BF16_TARGET inline void round_row_pairs(int64_t rows, int64_t cols, const Value& value, const Value1& value1,
+                                           c10::BFloat16* dst_t, int64_t ld_t, c10::BFloat16* dst_rows,
+                                           int64_t ld_rows) {
+  constexpr int64_t W = Vec<float>::size();  // 16
+  for (int64_t q = 0; q < (rows + 1) / 2; ++q) {
+    const int64_t i = 2 * q;
+    const bool pair = i + 1 < rows;  // else row i + 1 is the pad: 0 there
+    c10::BFloat16* out_t = dst_t + q * ld_t;
+    c10::BFloat16* out0 = dst_rows == nullptr ? nullptr : dst_rows + i * ld_rows;
+    int64_t j = 0;
+    for (; j + W <= cols; j += W) {
+      const Vec<float> hi = pair ? value(i + 1, j) : Vec<float>(0.0f);
+      const __m512i both = at::vec::convert_from_float<c10::BFloat16>(value(i, j), hi);  // row i's 16, then i + 1's
+      const __m256i lo16 = _mm512_castsi512_si256(both);
+      const __m256i hi16 = _mm512_extracti64x4_epi64(both, 1);
+      _mm512_storeu_si512(out_t + 2 * j, interleave16(lo16, hi16));
+      if (out0 != nullptr) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out0 + j), lo16);
+        if (pair) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out0 + ld_rows + j), hi16);
+        }
+      }
+    }
+    for (; j < cols; ++j) {
+      const auto lo = c10::BFloat16(value1(i, j));
+      const auto hi = pair ? c10::BFloat16(value1(i + 1, j)) : c10::BFloat16(0.0f);
+      out_t[2 * j] = lo;
+      out_t[2 * j + 1] = hi;
+      if (out0 != nullptr) {
+        out0[j] = lo;
+        if (pair) {
+          out0[ld_rows + j] = hi;
+        }
+      }
+    }
+    if (out0 != nullptr && cols % 2 != 0) {
+      out0[cols] = c10::BFloat16(0.0f);
+      if (pair) {
+        out0[ld_rows + cols] = c10::BFloat16(0.0f);
+      }
+    }
+  }
+}
+
 // The transposed operand A = x^T (cols x rows) of a float32 tile x (rows x cols, ld) as pairs along
 // x's rows, rounded to bfloat16 as ATen rounds: pair (j, p) = (x[2p][j], x[2p + 1][j]) at dst + p * ld_dst
 // + 2j (the second half 0 for an odd rows' last pair). ld_dst >= 2 cols.
 CA_BF16_TARGET void round_pairs_transposed(const float* x, int64_t ld, int64_t rows, int64_t cols,
                                            c10::BFloat16* dst, int64_t ld_dst) {
-  constexpr int64_t W = Vec<float>::size();  // 16
-  alignas(64) c10::BFloat16 both[2 * W];
-  for (int64_t p = 0; p < (rows + 1) / 2; ++p) {
-    const float* lo = x + 2 * p * ld;
-    const float* hi = 2 * p + 1 < rows ? lo + ld : nullptr;
-    c10::BFloat16* out = dst + p * ld_dst;
-    int64_t j = 0;
-    for (; j + W <= cols; j += W) {
-      const Vec<float> h = hi != nullptr ? Vec<float>::loadu(hi + j) : Vec<float>(0.0f);
-      at::vec::convert_from_float<c10::BFloat16>(Vec<float>::loadu(lo + j), h).store(both);
-      const __m256i l16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(both));
-      const __m256i h16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(both + W));
-      _mm512_storeu_si512(out + 2 * j, interleave16(l16, h16));
-    }
-    for (; j < cols; ++j) {
-      out[2 * j] = c10::BFloat16(lo[j]);
-      out[2 * j + 1] = hi != nullptr ? c10::BFloat16(hi[j]) : c10::BFloat16(0.0f);
-    }
-  }
+  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(ld_dst >= 2 * cols);
+  round_row_pairs(
+      rows, cols, [&](int64_t i, int64_t j) { return Vec<float>::loadu(x + i * ld + j); },
+      [&](int64_t i, int64_t j) { return x[i * ld + j]; }, dst, ld_dst, nullptr, 0);
 }
 
 // One step of pair_linear_block: the 32 values from d of RM x rows and RO weight rows (those outside
@@ -1152,8 +1156,8 @@ CA_BF16_TARGET inline void pair_linear_step(const c10::BFloat16* x, const c10::B
 #pragma GCC unroll 8
   for (int r = 0; r < RO; ++r) {
     const __m512i wv = _mm512_maskz_loadu_epi16(mask, w + r * in + d);
-  #pragma GCC unroll 8
-  for (int i = 0; i < RM; ++i) {
+#pragma GCC unroll 8
+    for (int i = 0; i < RM; ++i) {
       acc[i][r] = _mm512_dpbf16_ps(acc[i][r], (__m512bh)xv[i], (__m512bh)wv);
     }
   }
@@ -1162,8 +1166,10 @@ CA_BF16_TARGET inline void pair_linear_step(const c10::BFloat16* x, const c10::B
 // out[i][r]: float32 lanes that add up to x[i] . w[r], for RM rows of x and RO rows of w, all
 // bfloat16: 32 values (16 pairs) a step, each vdpbf16ps adding a pair's two products (exact in float32)
 // to a lane's sum, the last step's values past `in` loaded as 0. Half the instructions of widening the
-// weights for float32 fused multiply-adds, which left the 8 rows of a decode step compute bound.
-// Meanwhile `lines` cache lines from pf are prefetched into L2, spread evenly over the pass.
+// weights for float32 fused multiply-adds, which left the 8 rows of a decode step compute bound. (8 x 3:
+// the 8 x vectors, 24 accumulators and a weight vector are one more than the 32 registers, so GCC keeps
+// one accumulator on the stack; 8 x 2 was slower.) Meanwhile `lines` cache lines from pf are prefetched
+// into L2, spread evenly over the pass.
 template <int RM, int RO>
 CA_BF16_TARGET void pair_linear_block(const c10::BFloat16* x, const c10::BFloat16* w, int64_t in,
                                       __m512 (&out)[RM][RO], const char* pf, int64_t lines) {
@@ -1171,8 +1177,8 @@ CA_BF16_TARGET void pair_linear_block(const c10::BFloat16* x, const c10::BFloat1
   __m512 acc[RM][RO];  // local, so that they stay in registers (out is memory)
 #pragma GCC unroll 8
   for (int i = 0; i < RM; ++i) {
-  #pragma GCC unroll 8
-  for (int r = 0; r < RO; ++r) {
+#pragma GCC unroll 8
+    for (int r = 0; r < RO; ++r) {
       acc[i][r] = _mm512_setzero_ps();
     }
   }
@@ -1183,7 +1189,7 @@ CA_BF16_TARGET void pair_linear_block(const c10::BFloat16* x, const c10::BFloat1
     for (owed += lines; owed >= steps; owed -= steps, ++line) {
       __builtin_prefetch(pf + 64 * line, 0, 2);  // prefetcht1: into L2
     }
-    const __mmask32 mask = d + kStep <= in ? ~__mmask32(0) : (__mmask32(1) << (in - d)) - 1;
+    const __mmask32 mask = d + kStep <= in ? ~__mmask32(0) : (__mmask32(1) << (in - d)) - 1;  // 0 < in - d < 32
     pair_linear_step<RM, RO>(x, w, in, d, mask, acc);
   }
   for (; line < lines; ++line) {
@@ -1191,8 +1197,8 @@ CA_BF16_TARGET void pair_linear_block(const c10::BFloat16* x, const c10::BFloat1
   }
 #pragma GCC unroll 8
   for (int i = 0; i < RM; ++i) {
-  #pragma GCC unroll 8
-  for (int r = 0; r < RO; ++r) {
+#pragma GCC unroll 8
+    for (int r = 0; r < RO; ++r) {
       out[i][r] = acc[i][r];
     }
   }
@@ -1215,56 +1221,23 @@ struct PairBlock {
   }
 };
 
-// dS = scale * P (dP - delta_i), row i, rounded to bfloat16 as score_grad computes and store rounds it,
-// written in both forms the pair micro-kernel reads: rows (ld_rows >= cols + cols % 2; an odd cols' pad
-// column zeroed) and transposed pairs (round_pairs_transposed's layout, ld_t >= 2 cols). dp and p
+// dS = scale * P (dP - delta_i), row i, as score_grad computes it, rounded to bfloat16 as store rounds
+// it, written in both forms the pair micro-kernel reads: rows (ld_rows >= cols + cols % 2; an odd cols'
+// pad column zeroed) and transposed pairs (round_pairs_transposed's layout, ld_t >= 2 cols). dp and p
 // (rows x cols, float32, ld) are left as they are.
 CA_BF16_TARGET void score_grad_pairs(const float* dp, const float* p, int64_t ld, int64_t rows, int64_t cols,
                                      float scale, const float* delta, int64_t delta_stride, c10::BFloat16* ds,
                                      int64_t ld_rows, c10::BFloat16* ds_t, int64_t ld_t) {
-  constexpr int64_t W = Vec<float>::size();  // 16
+  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(ld_rows >= cols + cols % 2 && ld_t >= 2 * cols);
   const Vec<float> vscale(scale);
-  for (int64_t q = 0; q < (rows + 1) / 2; ++q) {
-    const int64_t i = 2 * q;
-    const bool pair = i + 1 < rows;  // else row i + 1 is the pad: dS = 0 there
-    const float d0 = delta[i * delta_stride];
-    const float d1 = pair ? delta[(i + 1) * delta_stride] : 0.0f;
-    const float* dp0 = dp + i * ld;
-    const float* p0 = p + i * ld;
-    c10::BFloat16* out0 = ds + i * ld_rows;
-    c10::BFloat16* out_t = ds_t + q * ld_t;
-    const Vec<float> vd0(d0), vd1(d1);
-    int64_t j = 0;
-    for (; j + W <= cols; j += W) {
-      const Vec<float> lo = vscale * Vec<float>::loadu(p0 + j) * (Vec<float>::loadu(dp0 + j) - vd0);
-      const Vec<float> hi =
-          pair ? vscale * Vec<float>::loadu(p0 + ld + j) * (Vec<float>::loadu(dp0 + ld + j) - vd1) : Vec<float>(0.0f);
-      const __m512i both = at::vec::convert_from_float<c10::BFloat16>(lo, hi);  // lo's 16 values, then hi's
-      const __m256i lo16 = _mm512_castsi512_si256(both);
-      const __m256i hi16 = _mm512_extracti64x4_epi64(both, 1);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out0 + j), lo16);
-      if (pair) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out0 + ld_rows + j), hi16);
-      }
-      _mm512_storeu_si512(out_t + 2 * j, interleave16(lo16, hi16));
-    }
-    for (; j < cols; ++j) {
-      const auto lo = c10::BFloat16(scale * p0[j] * (dp0[j] - d0));
-      const auto hi = pair ? c10::BFloat16(scale * p0[ld + j] * (dp0[ld + j] - d1)) : c10::BFloat16(0.0f);
-      out0[j] = lo;
-      if (pair) {
-        out0[ld_rows + j] = hi;
-      }
-      out_t[2 * j] = lo;
-      out_t[2 * j + 1] = hi;
-    }
-    if (cols % 2 != 0) {
-      out0[cols] = c10::BFloat16(0.0f);
-      if (pair) {
-        out0[ld_rows + cols] = c10::BFloat16(0.0f);
-      }
-    }
-  }
+  round_row_pairs(
+      rows, cols,
+      [&](int64_t i, int64_t j) {
+        return vscale * Vec<float>::loadu(p + i * ld + j) *
+               (Vec<float>::loadu(dp + i * ld + j) - Vec<float>(delta[i * delta_stride]));
+      },
+      [&](int64_t i, int64_t j) { return scale * p[i * ld + j] * (dp[i * ld + j] - delta[i * delta_stride]); }, ds_t,
+      ld_t, ds, ld_rows);
 }
 
 // out[r] = x[r, :] . y[r, :] (rows of n bfloat16, n even) summed pair by pair with vdpbf16ps from 0, as

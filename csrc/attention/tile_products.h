@@ -230,6 +230,11 @@ struct PairScratch {
 // The leading dimension of a tile of `cols` columns written as pairs along its rows: even.
 inline int64_t pair_row_ld(int64_t cols) { return 2 * ceil_div(cols, 2); }
 
+// A tile of `cols` columns (P or dS) as the pair micro-kernel reads it: its rows at x (ld
+// pair_row_ld(cols)), and its transpose in round_pairs_transposed's layout at x (ld 2 cols).
+inline PairView pair_rows_view(const c10::BFloat16* x, int64_t cols) { return {x, pair_row_ld(cols), 2}; }
+inline PairView transposed_pairs_view(const c10::BFloat16* x, int64_t cols) { return {x, 2, 2 * cols}; }
+
 // rows x cols values of the input type at x (ld pair_row_ld(cols)) as the pair micro-kernel's operand,
 // pairs along its columns; the pad column of an odd cols is zeroed here.
 inline Operand<c10::BFloat16> pair_rows_operand(c10::BFloat16* x, int64_t rows, int64_t cols) {
@@ -239,7 +244,7 @@ inline Operand<c10::BFloat16> pair_rows_operand(c10::BFloat16* x, int64_t rows, 
       x[i * ld + cols] = c10::BFloat16(0.0f);
     }
   }
-  return {nullptr, ld, nullptr, 0, {x, ld, 2}, {}};
+  return {nullptr, ld, nullptr, 0, pair_rows_view(x, cols), {}};
 }
 
 // x (rows x cols, acc_t, ld: P or dS) as the operand of a product in the input type: x itself for
@@ -260,7 +265,7 @@ Operand<scalar_t> input_operand(const acc_t* x, [[maybe_unused]] scalar_t* buf, 
       }
       if (pairs.transposed != nullptr) {
         ops.round_pairs_transposed(x, ld, rows, cols, pairs.transposed, 2 * cols);
-        a.tpairs = {pairs.transposed, 2, 2 * cols};
+        a.tpairs = transposed_pairs_view(pairs.transposed, cols);
       }
       return a;
     }

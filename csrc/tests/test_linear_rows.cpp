@@ -12,7 +12,7 @@
 #include <limits>
 #include <string>
 #include <type_traits>
-#include <vector>
+#include <utility>
 
 #include "attention/tile_ops.h"
 #include "attention/tile_tables.h"
@@ -32,9 +32,11 @@ void check_case(const tile::TileOps<scalar_t>& ops, torch::ScalarType dtype, int
   const auto w = torch::randn({out, in}, torch::kFloat64).to(dtype);
   const auto b = torch::randn({out}, torch::kFloat64).to(dtype);
   const at::Tensor x_acc = x.to(acc_type).contiguous();
-  // y is wider than the outputs (ld_y = out + 3) and starts as NaN: what the kernel must not touch stays NaN.
+  // y is wider than the outputs (ld_y = out + 3), has a row past the last and starts as NaN: what the
+  // kernel must not touch stays NaN.
   const int64_t ld_y = out + 3;
-  auto y = torch::full({rows, ld_y}, std::numeric_limits<double>::quiet_NaN(), torch::kFloat64).to(dtype);
+  auto y_all = torch::full({rows + 1, ld_y}, std::numeric_limits<double>::quiet_NaN(), torch::kFloat64).to(dtype);
+  auto y = y_all.narrow(0, 0, rows);
   const scalar_t* bias = with_bias ? b.const_data_ptr<scalar_t>() : nullptr;
   if (pairs) {
     ops.linear_rows_pairs(x.const_data_ptr<scalar_t>(), rows, in, w.const_data_ptr<scalar_t>(), bias, o0, o1,
@@ -53,13 +55,16 @@ void check_case(const tile::TileOps<scalar_t>& ops, torch::ScalarType dtype, int
                        : dtype == torch::kHalf   ? std::ldexp(1.0, -11)
                                                  : u;
   const auto magnitude = torch::mm(xd.abs(), wd.abs().t()) + (with_bias ? bd.abs() : torch::zeros_like(bd));
-  const auto bound = (static_cast<double>(in) + 2) * u * magnitude + u_out * ref.abs() + 1e-300;
+  // (Below half's smallest normal, 6.1e-5, its rounding error is up to half its spacing there, 2^-25.)
+  const double tiny = dtype == torch::kHalf ? std::ldexp(1.0, -25) : 1e-300;
+  const auto bound = (static_cast<double>(in) + 2) * u * magnitude + u_out * ref.abs() + tiny;
   const auto inside = yd.narrow(1, o0, o1 - o0);
   const auto excess = ((inside - ref.narrow(1, o0, o1 - o0)).abs() - bound.narrow(1, o0, o1 - o0)).max();
   EXPECT_LE(excess.item<double>(), 0.0) << where;
   EXPECT_FALSE(inside.isnan().any().item<bool>()) << where << ": an output in [o0, o1) was not written";
   EXPECT_TRUE(yd.narrow(1, 0, o0).isnan().all().item<bool>()) << where << ": wrote before o0";
   EXPECT_TRUE(yd.narrow(1, o1, ld_y - o1).isnan().all().item<bool>()) << where << ": wrote at or after o1";
+  EXPECT_TRUE(y_all[rows].isnan().all().item<bool>()) << where << ": wrote past the last row";
 }
 
 template <typename scalar_t>
@@ -68,13 +73,13 @@ void check_table(const tile::TileOps<scalar_t>& ops, torch::ScalarType dtype, co
   ASSERT_TRUE(pairs ? ops.linear_rows_pairs != nullptr : ops.linear_rows != nullptr);
   constexpr int64_t out = 40;
   for (const int64_t rows : {1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 16, 17}) {
-    for (const int64_t in : {1, 7, 16, 17, 33, 80, 768}) {
+    for (const int64_t in : {0, 1, 7, 16, 17, 33, 80, 768}) {  // 0: the bias alone
       for (const auto& [o0, o1] : {std::pair<int64_t, int64_t>{0, out}, {5, out - 1}, {7, 8}, {0, 31}}) {
         for (const bool with_bias : {true, false}) {
           check_case(ops, dtype, rows, in, out, o0, o1, with_bias, pairs,
-                     isa + (pairs ? " pairs " : " ") + std::string(c10::toString(dtype)) + " rows " + std::to_string(rows) + " in " +
-                         std::to_string(in) + " outputs [" + std::to_string(o0) + ", " + std::to_string(o1) +
-                         ")" + (with_bias ? " bias" : ""));
+                     isa + (pairs ? " pairs " : " ") + std::string(c10::toString(dtype)) + " rows " +
+                         std::to_string(rows) + " in " + std::to_string(in) + " outputs [" + std::to_string(o0) +
+                         ", " + std::to_string(o1) + ")" + (with_bias ? " bias" : ""));
         }
       }
     }

@@ -144,13 +144,13 @@ TEST(PairGemm, ScoreGradPairsRoundsDsBothWays) {
       int64_t wrong = 0;
       for (int64_t i = 0; i < rows; ++i) {
         for (int64_t j = 0; j < ld_rows; ++j) {
-          const float at = static_cast<float>(ds[i * ld_rows + j]);
+          const float value = static_cast<float>(ds[i * ld_rows + j]);
           if (j < cols) {
             wrong += bits(ds[i * ld_rows + j]) != bits(r[i][j]);
           } else if (j < cols + cols % 2) {
-            wrong += at != 0.0f || std::signbit(at);
+            wrong += value != 0.0f || std::signbit(value);
           } else {
-            wrong += !std::isnan(at);
+            wrong += !std::isnan(value);
           }
         }
       }

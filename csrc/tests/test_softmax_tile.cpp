@@ -2,10 +2,12 @@
 // called directly (DEFAULT always; AVX2 and AVX512 where the CPU has them). The float32 step against
 // float64 (P, the running max and sum, the rescale factor) over two tiles in a row, with causal limits,
 // key masks and rows that see no key; and the rounded step of bfloat16 and half against the float32 step
-// followed by a rounding store: the same m, l, alpha and, bit for bit, the same rounded P, zeros included.
+// followed by rounding each value (static_cast, as ATen rounds): the same m, l, alpha and, bit for bit,
+// the same rounded P, zeros included.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -35,6 +37,7 @@ std::vector<Case> cases() {
     for (const int64_t offset : {cols, int64_t{0}, int64_t{-2}}) {
       for (const bool masked : {false, true}) {
         out.push_back({5, cols, offset, masked});
+        out.push_back({1, cols, offset, masked});
       }
     }
   }
