@@ -113,6 +113,10 @@ def test_bench_at_tiny_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         itemsize = 4 if d["dtype"] == "float32" else 2
         kv_bytes = 2 * dB * dH * ctx * (ddim // dH) * itemsize  # K and V of the context, read once
         assert d["kv_GB_per_s"] * 1e9 * d["ms"] / 1e3 == pytest.approx(kv_bytes, rel=1e-9)
+        # All bytes: the layer's qkv and proj weights and biases and the K and V rows it writes, too.
+        extra = (4 * ddim * ddim + 4 * ddim + 2 * dB * ddim) * itemsize if d["row"] == "decode step: whole layer" else 0
+        assert d["all_GB_per_s"] * 1e9 * d["ms"] / 1e3 == pytest.approx(kv_bytes + extra, rel=1e-9)
+        assert d["all_of_copy"] / d["of_copy"] == pytest.approx((kv_bytes + extra) / kv_bytes, rel=1e-9)
     generate = {d["row"]: d for d in report["decode"] if str(d["row"]).startswith("generate")}
     assert set(generate) == {"generate, KV cache", "generate, no cache"}
     assert all(_positive_finite(d["tokens_per_s"]) and _positive_finite(d["speedup"]) for d in generate.values())

@@ -16,7 +16,9 @@ actually computes, so GFLOP/s compare like with like):
   product of the widened operands, so the hardware's bfloat16 ceiling is never below sgemm's (on a
   CPU without bfloat16 dot products, torch's bfloat16 mm runs far below it);
 - decode moves bytes, not FLOPs: a step reads the K and V of its context once, 2*B*H*ctx*hd
-  elements; its GB/s is over a copy of as many float32 bytes (read + write) timed with it.
+  elements; its GB/s is over a copy of as many float32 bytes (read + write) timed with it. The layer
+  also reads its weights (qkv and proj, 4*dim^2 + 4*dim values) and writes the step's K and V rows:
+  "all bytes" counts them too (for the op alone it equals K+V).
 
 Rows:
 - kernel: the attention core from a qkv tensor (B, T, 3*dim): ours; F.scaled_dot_product_attention
@@ -280,10 +282,14 @@ def decode_rows(*, B: int = 8, ctx: int = 2048, dim: int = 768, H: int = 12,
     for kind, label in (("layer", "decode step: whole layer"), ("op", "decode step: attention op")):
         for dtype in dtypes:
             kv_bytes = 2 * B * H * ctx * hd * dtype.itemsize
+            # The layer's weights and the K and V rows it writes (2 B dim values).
+            layer_bytes = ((4 * dim * dim + 4 * dim) + 2 * B * dim) * dtype.itemsize if kind == "layer" else 0
             ms = t[f"{kind} {_name(dtype)}"]
             gbs = kv_bytes / ms / 1e9
+            all_gbs = (kv_bytes + layer_bytes) / ms / 1e9
             rows.append({"row": label, "dtype": _name(dtype), "ms": ms * 1e3, "kv_GB_per_s": gbs,
-                         "of_copy": gbs / copy_gbs, "copy_GB_per_s": copy_gbs,
+                         "of_copy": gbs / copy_gbs, "all_GB_per_s": all_gbs, "all_of_copy": all_gbs / copy_gbs,
+                         "copy_GB_per_s": copy_gbs,
                          "vs_f32": t[f"{kind} float32"] / ms, "shape": f"B={B} ctx={ctx} dim={dim} H={H}"})
 
     torch.manual_seed(0)
@@ -561,14 +567,17 @@ def print_report(report: Report, console: Console | None = None) -> None:
         console.print(mem)
     if report.decode:
         dec = Table(title="generation (vs f32: float32 time / this time; of copy: K and V bytes read per second "
-                          "over a float32 K+V-size copy's bytes per second; all interleaved)")
-        for col in ("row", "dtype", "ms", "vs f32", "K+V GB/s", "of copy", "tokens/s", "x vs no cache", "shape"):
+                          "over a float32 K+V-size copy's bytes per second; all bytes: with the layer's weights "
+                          "and the rows it writes; all interleaved)")
+        for col in ("row", "dtype", "ms", "vs f32", "K+V GB/s", "of copy", "all bytes of copy", "tokens/s",
+                    "x vs no cache", "shape"):
             dec.add_column(col, justify="left" if col in ("row", "dtype", "shape") else "right")
         for d in report.decode:
             dec.add_row(str(d["row"]), str(d["dtype"]), f"{d['ms']:.3f}",
                         f"{d['vs_f32']:.2f}x" if "vs_f32" in d else "-",
                         f"{d['kv_GB_per_s']:.1f}" if "kv_GB_per_s" in d else "-",
                         f"{100 * float(d['of_copy']):.0f}%" if "of_copy" in d else "-",
+                        f"{100 * float(d['all_of_copy']):.0f}%" if "all_of_copy" in d else "-",
                         f"{d['tokens_per_s']:,.0f}" if "tokens_per_s" in d else "-",
                         f"{d['speedup']:.1f}x" if "speedup" in d else "-", str(d["shape"]))
         console.print(dec)
