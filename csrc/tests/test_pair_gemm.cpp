@@ -79,6 +79,25 @@ TEST(PairGemm, PacksPairPanelsExactly) {
   }
 }
 
+// The values of dst (ceil(rows / 2) pair rows, ld) that are not the transposed pairs of r (rows x cols,
+// bfloat16: pair (j, p) = (r[2p][j], r[2p + 1][j]), an odd rows' last pair completed with 0), or not still
+// NaN past 2 cols of a pair row.
+int64_t wrong_transposed_pairs(const std::vector<BFloat16>& dst, int64_t ld, int64_t rows, int64_t cols,
+                               const at::TensorAccessor<BFloat16, 2>& r) {
+  int64_t wrong = 0;
+  for (int64_t p = 0; p < ceil_div(rows, 2); ++p) {
+    for (int64_t j = 0; j < cols; ++j) {
+      wrong += bits(dst[p * ld + 2 * j]) != bits(r[2 * p][j]);
+      const BFloat16 second = 2 * p + 1 < rows ? r[2 * p + 1][j] : BFloat16(0.0f);
+      wrong += bits(dst[p * ld + 2 * j + 1]) != bits(second);
+    }
+    for (int64_t j = 2 * cols; j < ld; ++j) {
+      wrong += !std::isnan(static_cast<float>(dst[p * ld + j]));
+    }
+  }
+  return wrong;
+}
+
 // round_pairs_transposed: x^T as pairs along x's rows, each value rounded as ATen rounds, an odd rows'
 // last pair completed with 0; nothing past 2 cols of a pair row written.
 TEST(PairGemm, RoundsTransposedPairsExactly) {
@@ -95,18 +114,7 @@ TEST(PairGemm, RoundsTransposedPairsExactly) {
       const int64_t ld_dst = 2 * cols + 5;
       std::vector<BFloat16> dst(ceil_div(rows, 2) * ld_dst, BFloat16(std::numeric_limits<float>::quiet_NaN()));
       ops.round_pairs_transposed(x.const_data_ptr<float>(), cols + 3, rows, cols, dst.data(), ld_dst);
-      int64_t wrong = 0;
-      for (int64_t p = 0; p < ceil_div(rows, 2); ++p) {
-        for (int64_t j = 0; j < cols; ++j) {
-          wrong += bits(dst[p * ld_dst + 2 * j]) != bits(r[2 * p][j]);
-          const BFloat16 second = 2 * p + 1 < rows ? r[2 * p + 1][j] : BFloat16(0.0f);
-          wrong += bits(dst[p * ld_dst + 2 * j + 1]) != bits(second);
-        }
-        for (int64_t j = 2 * cols; j < ld_dst; ++j) {
-          wrong += !std::isnan(static_cast<float>(dst[p * ld_dst + j]));
-        }
-      }
-      EXPECT_EQ(wrong, 0) << "rows " << rows << " cols " << cols;
+      EXPECT_EQ(wrong_transposed_pairs(dst, ld_dst, rows, cols, r), 0) << "rows " << rows << " cols " << cols;
     }
   }
 }
@@ -154,16 +162,7 @@ TEST(PairGemm, ScoreGradPairsRoundsDsBothWays) {
           }
         }
       }
-      for (int64_t q = 0; q < ceil_div(rows, 2); ++q) {
-        for (int64_t j = 0; j < cols; ++j) {
-          wrong += bits(ds_t[q * ld_t + 2 * j]) != bits(r[2 * q][j]);
-          const BFloat16 second = 2 * q + 1 < rows ? r[2 * q + 1][j] : BFloat16(0.0f);
-          wrong += bits(ds_t[q * ld_t + 2 * j + 1]) != bits(second);
-        }
-        for (int64_t j = 2 * cols; j < ld_t; ++j) {
-          wrong += !std::isnan(static_cast<float>(ds_t[q * ld_t + j]));
-        }
-      }
+      wrong += wrong_transposed_pairs(ds_t, ld_t, rows, cols, r);
       EXPECT_EQ(wrong, 0) << "rows " << rows << " cols " << cols;
       EXPECT_TRUE(torch::equal(p, p0) && torch::equal(dp, dp0)) << "rows " << rows << " cols " << cols;
     }
