@@ -21,6 +21,7 @@
 
 #include "causal_attention/attention.h"
 #include "blas.h"
+#include "schedule.h"
 #include "tile_ops.h"
 #include "tile_products.h"
 
@@ -140,12 +141,12 @@ class DecodePass {
         partial_(static_cast<size_t>(B_ * H_ * n_split_ * t_ * (hd_ + 2))) {}
 
   void run(const at::Tensor& out) {
-    at::parallel_for(0, B_ * H_ * n_split_, 1, [&](int64_t begin, int64_t end) {
-      DecodeWorkspace<scalar_t> ws(hd_);
-      for (int64_t item = begin; item < end; ++item) {
-        split(item, ws);
-      }
-    });
+    // Items taken one at a time, the longest contexts first: a thread that streams slower (a busy
+    // core of a shared machine) takes fewer, where a static split left the other waiting at the end.
+    const auto order = costliest_first(B_ * H_ * n_split_, [&](int64_t item) { return end_[item / n_split_ / H_]; });
+    run_items(
+        order, [&] { return DecodeWorkspace<scalar_t>(hd_); },
+        [&](int64_t item, DecodeWorkspace<scalar_t>& ws) { split(item, ws); });
     merge(out.data_ptr<scalar_t>());
   }
 

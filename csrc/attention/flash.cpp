@@ -27,6 +27,7 @@
 #include "blas.h"
 #include "causal_attention/attention.h"
 #include "philox.h"
+#include "schedule.h"
 #include "tile_ops.h"
 #include "tile_products.h"
 
@@ -68,32 +69,6 @@ MaskSummary summarize(const std::optional<at::Tensor>& mask, int64_t B, int64_t 
 }
 
 // ---- Where the operands of one (batch, head) are --------------------------------------------------
-
-// The parallel schedule of a pass: every thread makes its workspace (make_ws()) and takes work
-// items from a shared counter, in the order given (the costliest first), until none is left. With
-// padding, sequences cost very different amounts (a static split of the items gave one thread
-// most of the long sequences); items write disjoint outputs, so the result does not depend on
-// which thread ran which.
-template <typename MakeWorkspace, typename Work>
-void run_items(const std::vector<int64_t>& order, const MakeWorkspace& make_ws, const Work& work) {
-  std::atomic<int64_t> next{0};
-  const auto n = static_cast<int64_t>(order.size());
-  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    auto ws = make_ws();
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
-      work(order[i], ws);
-    }
-  });
-}
-
-// Items 0..n-1 by decreasing cost (ties in item order: the same order on every call).
-template <typename Cost>
-std::vector<int64_t> costliest_first(int64_t n, const Cost& cost) {
-  std::vector<int64_t> order(n);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
-  return order;
-}
 
 struct Geometry {
   int64_t B, T, H, dim, hd, nq, nk;  // nq, nk: query and key blocks of the pass
