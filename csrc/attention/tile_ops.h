@@ -37,10 +37,11 @@ struct TileOps {
   void (*softmax_tile)(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
                        const bool* key_mask, acc_t* m, acc_t* l, acc_t* alpha, acc_t* buf);
 
-  // softmax_tile on acc_t scores s whose P is written rounded to scalar_t at p (rows x cols, ld_p)
-  // instead of in place (s is left as scratch): the forward's P for a product in the input type,
-  // rounded as it is made rather than in a pass of its own; the same m, l, alpha and rounded P as
-  // softmax_tile followed by store. bfloat16 / half only (nullptr for float and double).
+  // Where pair_gemm runs: softmax_tile on float32 scores s whose P is written rounded to bfloat16 at p
+  // (rows x cols, ld_p) instead of in place (s is left as scratch): the forward's P for the pair
+  // micro-kernel, rounded as it is made rather than in a pass of its own. The same m, l, alpha as
+  // softmax_tile, and its P rounded as vcvtneps2bf16 rounds: to nearest even as ATen rounds, but a
+  // float32 denormal to a zero of its sign (which vdpbf16ps reads as ATen's bfloat16 denormal anyway).
   void (*softmax_tile_rounded)(acc_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
                                const bool* key_mask, acc_t* m, acc_t* l, acc_t* alpha, scalar_t* p, int64_t ld_p);
 
@@ -103,13 +104,13 @@ struct TileOps {
   void (*pair_panels)(const scalar_t* src, int64_t rs, int64_t cs, int64_t k, int64_t n, scalar_t* dst);
 
   // Where pair_gemm runs: x^T (x: rows x cols, float32, ld) as pair_gemm's A, rounded to bfloat16 as
-  // ATen rounds: pair (j, p) = (x[2p][j], x[2p + 1][j]) at dst + p * ld_dst + 2j (rs_a = 2, cs_a =
+  // softmax_tile_rounded rounds: pair (j, p) = (x[2p][j], x[2p + 1][j]) at dst + p * ld_dst + 2j (rs_a = 2, cs_a =
   // ld_dst >= 2 cols), an odd rows' last pair completed with 0.
   void (*round_pairs_transposed)(const acc_t* x, int64_t ld, int64_t rows, int64_t cols, scalar_t* dst,
                                  int64_t ld_dst);
 
   // Where pair_gemm runs: the backward's dS = scale * P (dP - delta[i * delta_stride]) (as score_grad)
-  // rounded to bfloat16, written as pair_gemm's A both ways: rows (ld_rows >= cols + cols % 2, an odd
+  // rounded to bfloat16 (as softmax_tile_rounded rounds), written as pair_gemm's A both ways: rows (ld_rows >= cols + cols % 2, an odd
   // cols' pad column zeroed) and transposed (round_pairs_transposed's layout, ld_t >= 2 cols). dp, p:
   // rows x cols, float32, ld; left as they are.
   void (*score_grad_pairs)(const acc_t* dp, const acc_t* p, int64_t ld, int64_t rows, int64_t cols, acc_t scale,

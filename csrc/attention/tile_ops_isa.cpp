@@ -53,6 +53,43 @@ inline void store_narrowed(const Vec<float>& lo, const Vec<float>& hi, scalar_t*
   at::vec::convert_from_float<scalar_t>(lo, hi).store(dst);
 }
 
+// How a float32 value is narrowed where a kernel may choose: as ATen rounds (static_cast), on any CPU.
+struct AtenRounding {
+  template <typename out_t>
+  static void store(const Vec<float>& x, out_t* dst) {  // W values
+    store_narrowed(x, dst);
+  }
+  template <typename out_t>
+  static out_t round(float x) {
+    return static_cast<out_t>(x);
+  }
+};
+
+// bfloat16 as the AVX512-BF16 instructions narrow and read it: to nearest even as ATen rounds, except
+// that a float32 denormal gives a zero of its sign (vcvtneps2bf16). vdpbf16ps, the only reader of values
+// narrowed this way, reads a bfloat16 denormal as 0 anyway: the products are ATen rounding's but where a
+// float32 denormal within half a bfloat16 step of FLT_MIN rounds up to FLT_MIN (a difference below 1e-38
+// times the other factor). One instruction for 16 values, where at::vec's rounding takes eight.
+inline c10::BFloat16 round_pair_value(float x) {
+  return std::fabs(x) < std::numeric_limits<float>::min() ? c10::BFloat16(std::copysign(0.0f, x)) : c10::BFloat16(x);
+}
+#if defined(CPU_CAPABILITY_AVX512)
+struct PairRounding {
+  // Inline assembly, so that code built for plain AVX-512 can use it: only the pair paths call it, and
+  // they are chosen only where the CPU has AVX512-BF16 (make_tile_ops).
+  static void store(const Vec<float>& x, c10::BFloat16* dst) {  // W values
+    __m256i narrowed;
+    __asm__("vcvtneps2bf16 %1, %0" : "=v"(narrowed) : "v"(static_cast<__m512>(x)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), narrowed);
+  }
+  template <typename out_t>
+  static out_t round(float x) {
+    static_assert(std::is_same_v<out_t, c10::BFloat16>, "PairRounding: bfloat16 only");
+    return round_pair_value(x);
+  }
+};
+#endif
+
 // dst[j] = scale * src[j] for j < n.
 template <typename scalar_t, typename acc_t>
 inline void load_scaled(const scalar_t* src, int64_t n, acc_t scale, acc_t* dst) {
@@ -122,10 +159,10 @@ inline acc_t max_of(const acc_t* x, int64_t n) {
   return result;
 }
 
-// dst[j] = exp(scale * x[j] - shift) for j < n, rounded to out_t where narrower (dst may be x, in
-// place); returns the sum of the unrounded values. -inf entries give 0. One order of operations for
-// every out_t, so P in place and P rounded as it is made hold the same values and sums.
-template <typename acc_t, typename out_t>
+// dst[j] = exp(scale * x[j] - shift) for j < n, rounded to out_t where narrower, as Rounding rounds
+// (dst may be x, in place); returns the sum of the unrounded values. -inf entries give 0. One order of
+// operations for every out_t, so P in place and P rounded as it is made hold the same values and sums.
+template <typename acc_t, typename out_t, typename Rounding = AtenRounding>
 inline acc_t exp_scaled_to(const acc_t* x, int64_t n, acc_t scale, acc_t shift, out_t* dst) {
   static_assert(std::is_same_v<out_t, acc_t> || kReduced<out_t>, "exp_scaled_to: acc_t or a narrower type out");
   int64_t j = 0;
@@ -140,7 +177,7 @@ inline acc_t exp_scaled_to(const acc_t* x, int64_t n, acc_t scale, acc_t shift, 
       if constexpr (std::is_same_v<out_t, float>) {
         e.store(dst + j);
       } else {
-        store_narrowed(e, dst + j);
+        Rounding::store(e, dst + j);
       }
       vsum = vsum + e;
     }
@@ -152,7 +189,11 @@ inline acc_t exp_scaled_to(const acc_t* x, int64_t n, acc_t scale, acc_t shift, 
   }
   for (; j < n; ++j) {
     const acc_t e = std::exp(x[j] * scale - shift);
-    dst[j] = static_cast<out_t>(e);
+    if constexpr (std::is_same_v<out_t, acc_t>) {
+      dst[j] = e;
+    } else {
+      dst[j] = Rounding::template round<out_t>(e);
+    }
     sum += e;
   }
   return sum;
@@ -173,8 +214,9 @@ inline void mask_keys(scalar_t* row, int64_t n, const bool* key_mask) {
 
 // The online-softmax step of one tile (tile_ops.h, softmax_tile): the scores in s (scalar_t; widened
 // into buf when narrower than acc_t), P out to p (ld_p): in place when p is s; rounded as it is made
-// when out_t is narrower than acc_t.
-template <typename scalar_t, typename out_t, typename acc_t = at::opmath_type<scalar_t>>
+// (as Rounding rounds) when out_t is narrower than acc_t.
+template <typename scalar_t, typename out_t, typename Rounding = AtenRounding,
+          typename acc_t = at::opmath_type<scalar_t>>
 void softmax_rows(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
                   const bool* key_mask, acc_t* m, acc_t* l, acc_t* alpha, acc_t* buf, out_t* p, int64_t ld_p) {
   static_assert(std::is_same_v<out_t, acc_t> ? std::is_same_v<scalar_t, acc_t> : kReduced<out_t>,
@@ -202,7 +244,7 @@ void softmax_rows(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t sca
       continue;
     }
     alpha[i] = std::exp(m[i] - m_new);  // 0 when m[i] = -inf
-    const acc_t sum = exp_scaled_to(x, n, scale, m_new, p_row);  // in place (x is p_row) or rounded
+    const acc_t sum = exp_scaled_to<acc_t, out_t, Rounding>(x, n, scale, m_new, p_row);  // in place, or rounded
     std::fill(p_row + n, p_row + cols, out_t(0));
     l[i] = l[i] * alpha[i] + sum;
     m[i] = m_new;
@@ -215,13 +257,15 @@ void softmax_tile(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t sca
   softmax_rows(s, ld, rows, cols, scale, causal_offset, key_mask, m, l, alpha, buf, s, ld);
 }
 
-template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void softmax_tile_rounded(acc_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
-                          const bool* key_mask, acc_t* m, acc_t* l, acc_t* alpha, scalar_t* p, int64_t ld_p) {
+#if defined(CPU_CAPABILITY_AVX512)
+// bfloat16 P for the pair micro-kernel, rounded as PairRounding rounds (AVX512-BF16 only).
+void softmax_tile_rounded(float* s, int64_t ld, int64_t rows, int64_t cols, float scale, int64_t causal_offset,
+                          const bool* key_mask, float* m, float* l, float* alpha, c10::BFloat16* p, int64_t ld_p) {
   TORCH_INTERNAL_ASSERT_DEBUG_ONLY(ld_p >= cols);
-  softmax_rows(s, ld, rows, cols, scale, causal_offset, key_mask, m, l, alpha, static_cast<acc_t*>(nullptr), p,
-               ld_p);
+  softmax_rows<float, c10::BFloat16, PairRounding>(s, ld, rows, cols, scale, causal_offset, key_mask, m, l, alpha,
+                                                   static_cast<float*>(nullptr), p, ld_p);
 }
+#endif
 
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void rescale_add(acc_t* acc, int64_t ld_acc, const scalar_t* x, int64_t ld_x, int64_t rows, int64_t cols,
@@ -1086,7 +1130,7 @@ CA_BF16_TARGET void pair_panels(const c10::BFloat16* src, int64_t rs, int64_t cs
 }
 
 // The row pairs of a rows x cols float32 tile whose values come from value(i, j) (W of them from j)
-// and value1(i, j) (one), rounded to bfloat16 as ATen rounds, written as pair_gemm's transposed A
+// and value1(i, j) (one), rounded to bfloat16 as PairRounding rounds (vcvtne2ps2bf16), written as pair_gemm's transposed A
 // (round_pairs_transposed's layout at dst_t, ld_t; an odd rows' last pair completed with 0) and, where
 // dst_rows is not nullptr, as rows (ld_rows; an odd cols' pad column zeroed).
 template <typename Value, typename Value1>
@@ -1094,6 +1138,9 @@ CA_BF16_TARGET inline void round_row_pairs(int64_t rows, int64_t cols, const Val
                                            c10::BFloat16* dst_t, int64_t ld_t, c10::BFloat16* dst_rows,
                                            int64_t ld_rows) {
   constexpr int64_t W = Vec<float>::size();  // 16
+  // 16-bit lane 2j of the pairs takes lane j of the first half, lane 2j + 1 lane j of the second.
+  const __m512i pairs_of_halves = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                   22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t q = 0; q < (rows + 1) / 2; ++q) {
     const int64_t i = 2 * q;
     const bool pair = i + 1 < rows;  // else row i + 1 is the pad: 0 there
@@ -1102,10 +1149,10 @@ CA_BF16_TARGET inline void round_row_pairs(int64_t rows, int64_t cols, const Val
     int64_t j = 0;
     for (; j + W <= cols; j += W) {
       const Vec<float> hi = pair ? value(i + 1, j) : Vec<float>(0.0f);
-      const __m512i both = at::vec::convert_from_float<c10::BFloat16>(value(i, j), hi);  // row i's 16, then i + 1's
+      const auto both = (__m512i)_mm512_cvtne2ps_pbh(hi, value(i, j));  // row i's 16, then i + 1's
       const __m256i lo16 = _mm512_castsi512_si256(both);
       const __m256i hi16 = _mm512_extracti64x4_epi64(both, 1);
-      _mm512_storeu_si512(out_t + 2 * j, interleave16(lo16, hi16));
+      _mm512_storeu_si512(out_t + 2 * j, _mm512_permutexvar_epi16(pairs_of_halves, both));
       if (out0 != nullptr) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out0 + j), lo16);
         if (pair) {
@@ -1114,8 +1161,8 @@ CA_BF16_TARGET inline void round_row_pairs(int64_t rows, int64_t cols, const Val
       }
     }
     for (; j < cols; ++j) {
-      const auto lo = c10::BFloat16(value1(i, j));
-      const auto hi = pair ? c10::BFloat16(value1(i + 1, j)) : c10::BFloat16(0.0f);
+      const auto lo = round_pair_value(value1(i, j));
+      const auto hi = pair ? round_pair_value(value1(i + 1, j)) : c10::BFloat16(0.0f);
       out_t[2 * j] = lo;
       out_t[2 * j + 1] = hi;
       if (out0 != nullptr) {
@@ -1135,7 +1182,7 @@ CA_BF16_TARGET inline void round_row_pairs(int64_t rows, int64_t cols, const Val
 }
 
 // The transposed operand A = x^T (cols x rows) of a float32 tile x (rows x cols, ld) as pairs along
-// x's rows, rounded to bfloat16 as ATen rounds: pair (j, p) = (x[2p][j], x[2p + 1][j]) at dst + p * ld_dst
+// x's rows, rounded to bfloat16 as PairRounding rounds: pair (j, p) = (x[2p][j], x[2p + 1][j]) at dst + p * ld_dst
 // + 2j (the second half 0 for an odd rows' last pair). ld_dst >= 2 cols.
 CA_BF16_TARGET void round_pairs_transposed(const float* x, int64_t ld, int64_t rows, int64_t cols,
                                            c10::BFloat16* dst, int64_t ld_dst) {
@@ -1224,8 +1271,8 @@ struct PairBlock {
   }
 };
 
-// dS = scale * P (dP - delta_i), row i, as score_grad computes it, rounded to bfloat16 as store rounds
-// it, written in both forms the pair micro-kernel reads: rows (ld_rows >= cols + cols % 2; an odd cols'
+// dS = scale * P (dP - delta_i), row i, as score_grad computes it, rounded to bfloat16 as PairRounding
+// rounds it, written in both forms the pair micro-kernel reads: rows (ld_rows >= cols + cols % 2; an odd cols'
 // pad column zeroed) and transposed pairs (round_pairs_transposed's layout, ld_t >= 2 cols). dp and p
 // (rows x cols, float32, ld) are left as they are.
 CA_BF16_TARGET void score_grad_pairs(const float* dp, const float* p, int64_t ld, int64_t rows, int64_t cols,
@@ -1553,11 +1600,7 @@ template <typename scalar_t>
 TileOps<scalar_t> make_tile_ops() {
   TileOps<scalar_t> ops{};
   ops.softmax_tile = &softmax_tile<scalar_t>;
-  if constexpr (kReduced<scalar_t>) {
-    ops.softmax_tile_rounded = &softmax_tile_rounded<scalar_t>;
-  } else {
-    ops.softmax_tile_rounded = nullptr;
-  }
+  ops.softmax_tile_rounded = nullptr;
   ops.rescale_add = &rescale_add<scalar_t>;
   ops.add = &add<scalar_t>;
   ops.finalize = &finalize<scalar_t>;
@@ -1593,6 +1636,7 @@ TileOps<scalar_t> make_tile_ops() {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (__builtin_cpu_supports("avx512bf16")) {
+      ops.softmax_tile_rounded = &softmax_tile_rounded;
       ops.pair_gemm = &pair_gemm;
       ops.pair_panels = &pair_panels;
       ops.round_pairs_transposed = &round_pairs_transposed;

@@ -25,6 +25,23 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 uint16_t bits(BFloat16 x) { return x.x; }
 
+// x in bfloat16 as vcvtneps2bf16 narrows it: to nearest even as ATen rounds, but a float32 denormal to a
+// zero of its sign (vdpbf16ps reads a bfloat16 denormal as 0 anyway).
+torch::Tensor hardware_rounded(const torch::Tensor& x) {
+  return torch::where(x.abs() < std::numeric_limits<float>::min(), x * 0, x).to(torch::kBFloat16);
+}
+
+// Float32 denormals at the first and the last column of x's first and last rows (in the vectorised part
+// and in the scalar tail when cols is not a multiple of 16): the largest denormal, which ATen rounds up
+// to FLT_MIN where the instruction gives 0, and a small negative one.
+void plant_denormals(torch::Tensor& x, int64_t rows, int64_t cols) {
+  const float largest = std::nextafter(std::numeric_limits<float>::min(), 0.0f);
+  x[0][0] = largest;
+  x[rows - 1][cols - 1] = -largest;
+  x[rows - 1][0] = -1e-39f;
+  x[0][cols - 1] = 1e-39f;
+}
+
 // The pair panels' value (p, j, half) of dst: element (2p + half, j) of B.
 BFloat16 panel_value(const std::vector<BFloat16>& dst, int64_t k, int64_t p, int64_t j, int64_t half) {
   const int64_t ps = 2 * ceil_div(k, 2) * tile::kPanel;
@@ -98,8 +115,8 @@ int64_t wrong_transposed_pairs(const std::vector<BFloat16>& dst, int64_t ld, int
   return wrong;
 }
 
-// round_pairs_transposed: x^T as pairs along x's rows, each value rounded as ATen rounds, an odd rows'
-// last pair completed with 0; nothing past 2 cols of a pair row written.
+// round_pairs_transposed: x^T as pairs along x's rows, each value rounded as vcvtneps2bf16 rounds (denormals
+// planted), an odd rows' last pair completed with 0; nothing past 2 cols of a pair row written.
 TEST(PairGemm, RoundsTransposedPairsExactly) {
   if (!has_avx512_bf16()) {
     GTEST_SKIP() << "this CPU has no AVX512-BF16";
@@ -108,8 +125,9 @@ TEST(PairGemm, RoundsTransposedPairsExactly) {
   torch::manual_seed(0);
   for (const int64_t rows : {1, 2, 7, 64}) {
     for (const int64_t cols : {1, 15, 16, 17, 33, 128}) {
-      const auto x = torch::randn({rows, cols + 3}) * 100;
-      const auto rounded = x.to(torch::kBFloat16);
+      auto x = torch::randn({rows, cols + 3}) * 100;
+      plant_denormals(x, rows, cols);
+      const auto rounded = hardware_rounded(x);
       const auto r = rounded.accessor<BFloat16, 2>();
       const int64_t ld_dst = 2 * cols + 5;
       std::vector<BFloat16> dst(ceil_div(rows, 2) * ld_dst, BFloat16(std::numeric_limits<float>::quiet_NaN()));
@@ -119,8 +137,9 @@ TEST(PairGemm, RoundsTransposedPairsExactly) {
   }
 }
 
-// score_grad_pairs: dS = scale * P (dP - delta) (float32, as score_grad computes it) rounded as ATen
-// rounds, in rows (an odd cols' pad column zeroed) and as round_pairs_transposed lays out x^T, bit for
+// score_grad_pairs: dS = scale * P (dP - delta) (float32, as score_grad computes it) rounded as
+// vcvtneps2bf16 rounds (denormal P planted, so some dS are denormal), in rows (an odd cols' pad column
+// zeroed) and as round_pairs_transposed lays out x^T, bit for
 // bit; nothing written past either form's columns; dp and p left as they were.
 TEST(PairGemm, ScoreGradPairsRoundsDsBothWays) {
   if (!has_avx512_bf16()) {
@@ -134,7 +153,8 @@ TEST(PairGemm, ScoreGradPairsRoundsDsBothWays) {
   for (const int64_t rows : {1, 2, 7, 64}) {
     for (const int64_t cols : {1, 15, 16, 17, 33, 128}) {
       const int64_t ld = cols + 3;
-      const auto p = torch::rand({rows, ld});
+      auto p = torch::rand({rows, ld});
+      plant_denormals(p, rows, cols);
       const auto dp = torch::randn({rows, ld}) * 10;
       const auto delta = torch::randn({rows, 2});  // stride 2: one head of two
       const auto p0 = p.clone(), dp0 = dp.clone();
@@ -142,7 +162,11 @@ TEST(PairGemm, ScoreGradPairsRoundsDsBothWays) {
       auto want = dp.clone();
       float_ops.score_grad(want.data_ptr<float>(), p.const_data_ptr<float>(), ld, rows, cols, scale,
                            delta.const_data_ptr<float>(), 2);
-      const auto want_bf16 = want.to(torch::kBFloat16);
+      const auto ds_values = want.slice(1, 0, cols);
+      EXPECT_TRUE(
+          (ds_values.abs() < std::numeric_limits<float>::min()).logical_and(ds_values != 0).any().item<bool>())
+          << "no denormal dS to round: rows " << rows << " cols " << cols;
+      const auto want_bf16 = hardware_rounded(want);
       const auto r = want_bf16.accessor<BFloat16, 2>();
       const int64_t ld_rows = cols + cols % 2 + 2;
       const int64_t ld_t = 2 * cols + 5;
