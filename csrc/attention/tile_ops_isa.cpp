@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <cmath>
 #include <type_traits>
 #include <utility>
@@ -56,12 +57,8 @@ inline void store_narrowed(const Vec<float>& lo, const Vec<float>& hi, scalar_t*
 // How a float32 value is narrowed where a kernel may choose: as ATen rounds (static_cast), on any CPU.
 struct AtenRounding {
   template <typename out_t>
-  static void store(const Vec<float>& x, out_t* dst) {  // W values
-    store_narrowed(x, dst);
-  }
-  template <typename out_t>
-  static out_t round(float x) {
-    return static_cast<out_t>(x);
+  static void store(const Vec<float>& x, out_t* dst, int64_t count = Vec<float>::size()) {  // count <= W values
+    at::vec::convert_from_float<out_t>(x, x).store(dst, count);
   }
 };
 
@@ -77,15 +74,14 @@ inline c10::BFloat16 round_pair_value(float x) {
 struct PairRounding {
   // Inline assembly, so that code built for plain AVX-512 can use it: only the pair paths call it, and
   // they are chosen only where the CPU has AVX512-BF16 (make_tile_ops).
-  static void store(const Vec<float>& x, c10::BFloat16* dst) {  // W values
+  static void store(const Vec<float>& x, c10::BFloat16* dst, int64_t count = Vec<float>::size()) {  // count <= W
     __m256i narrowed;
     __asm__("vcvtneps2bf16 %1, %0" : "=v"(narrowed) : "v"(static_cast<__m512>(x)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), narrowed);
-  }
-  template <typename out_t>
-  static out_t round(float x) {
-    static_assert(std::is_same_v<out_t, c10::BFloat16>, "PairRounding: bfloat16 only");
-    return round_pair_value(x);
+    if (count == Vec<float>::size()) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), narrowed);
+    } else {
+      _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((1u << count) - 1), narrowed);
+    }
   }
 };
 #endif
@@ -137,26 +133,50 @@ inline void store_row(const acc_t* src, int64_t n, int64_t cols, scalar_t* dst) 
   std::fill(dst + n, dst + cols, scalar_t(0));
 }
 
+// The first `count` (< W) values at x, the other lanes `fill` (nothing read past count).
+template <typename acc_t>
+inline Vec<acc_t> load_first(const acc_t* x, int64_t count, acc_t fill) {
+  return Vec<acc_t>::set(Vec<acc_t>(fill), Vec<acc_t>::loadu(x, count), count);
+}
+
+// The W lanes of v added / their maximum: float in log2(W) shuffle steps (at::vec), where a loop over
+// the stored lanes took W - 1 dependent steps; double (the float64 path) by that loop (GCC 12 warns
+// inside the double shuffle intrinsics).
+template <typename acc_t>
+inline acc_t lanes_sum(const Vec<acc_t>& v) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    return at::vec::vec_reduce_all<float>([](const Vec<float>& a, const Vec<float>& b) { return a + b; }, v);
+  } else {
+    acc_t lanes[Vec<acc_t>::size()];
+    v.store(lanes);
+    return std::accumulate(lanes + 1, lanes + Vec<acc_t>::size(), lanes[0]);
+  }
+}
+template <typename acc_t>
+inline acc_t lanes_max(const Vec<acc_t>& v) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    return at::vec::vec_reduce_all<float>(
+        [](const Vec<float>& a, const Vec<float>& b) { return at::vec::maximum(a, b); }, v);
+  } else {
+    acc_t lanes[Vec<acc_t>::size()];
+    v.store(lanes);
+    return *std::max_element(lanes, lanes + Vec<acc_t>::size());
+  }
+}
+
+// max_j x[j] (-inf for n = 0); the tail in a last vector whose lanes past n read -inf.
 template <typename acc_t>
 inline acc_t max_of(const acc_t* x, int64_t n) {
   constexpr int64_t W = Vec<acc_t>::size();
-  acc_t result = kNegInf<acc_t>;
+  Vec<acc_t> vmax(kNegInf<acc_t>);
   int64_t j = 0;
-  if (n >= W) {
-    Vec<acc_t> vmax(kNegInf<acc_t>);
-    for (; j + W <= n; j += W) {
-      vmax = at::vec::maximum(vmax, Vec<acc_t>::loadu(x + j));
-    }
-    acc_t lanes[W];
-    vmax.store(lanes);
-    for (int64_t w = 0; w < W; ++w) {
-      result = std::max(result, lanes[w]);
-    }
+  for (; j + W <= n; j += W) {
+    vmax = at::vec::maximum(vmax, Vec<acc_t>::loadu(x + j));
   }
-  for (; j < n; ++j) {
-    result = std::max(result, x[j]);
+  if (j < n) {
+    vmax = at::vec::maximum(vmax, load_first(x + j, n - j, kNegInf<acc_t>));
   }
-  return result;
+  return lanes_max(vmax);
 }
 
 // exp(x) for W lanes, as the softmax needs it (arguments <= 0, -inf for a masked key; any x works).
@@ -187,6 +207,7 @@ inline Vec<float> exp_vec(const Vec<float>& x) {
 // dst[j] = exp(scale * x[j] - shift) for j < n, rounded to out_t where narrower, as Rounding rounds
 // (dst may be x, in place); returns the sum of the unrounded values. -inf entries give 0. One order of
 // operations for every out_t, so P in place and P rounded as it is made hold the same values and sums.
+// float: the tail in a last vector whose lanes past n read -inf (so add 0); the lanes summed at the end.
 template <typename acc_t, typename out_t, typename Rounding = AtenRounding>
 inline acc_t exp_scaled_to(const acc_t* x, int64_t n, acc_t scale, acc_t shift, out_t* dst) {
   static_assert(std::is_same_v<out_t, acc_t> || kReduced<out_t>, "exp_scaled_to: acc_t or a narrower type out");
@@ -206,19 +227,22 @@ inline acc_t exp_scaled_to(const acc_t* x, int64_t n, acc_t scale, acc_t shift, 
       }
       vsum = vsum + e;
     }
-    float lanes[W];
-    vsum.store(lanes);
-    for (int64_t w = 0; w < W; ++w) {
-      sum += lanes[w];
+    if (j < n) {
+      const int64_t rest = n - j;
+      const auto e = exp_vec(at::vec::fmsub(load_first(x + j, rest, kNegInf<float>), vscale, vshift));
+      if constexpr (std::is_same_v<out_t, float>) {
+        e.store(dst + j, rest);
+      } else {
+        Rounding::store(e, dst + j, rest);
+      }
+      vsum = vsum + e;
+      j = n;
     }
+    sum = lanes_sum(vsum);
   }
   for (; j < n; ++j) {
-    const acc_t e = std::exp(x[j] * scale - shift);
-    if constexpr (std::is_same_v<out_t, acc_t>) {
-      dst[j] = e;
-    } else {
-      dst[j] = Rounding::template round<out_t>(e);
-    }
+    const acc_t e = std::exp(x[j] * scale - shift);  // double (float is done above)
+    dst[j] = static_cast<out_t>(e);
     sum += e;
   }
   return sum;
@@ -227,6 +251,16 @@ inline acc_t exp_scaled_to(const acc_t* x, int64_t n, acc_t scale, acc_t shift, 
 template <typename acc_t>
 inline acc_t exp_scaled_inplace(acc_t* x, int64_t n, acc_t scale, acc_t shift) {
   return exp_scaled_to(x, n, scale, shift, x);
+}
+
+// x[0..count) = +0 (all bits clear, for float, double, bfloat16 and half alike): one memset where
+// std::fill of bfloat16 stored two bytes at a time.
+template <typename T>
+inline void zero_fill(T* x, int64_t count) {
+  static_assert(std::is_trivially_copyable_v<T>, "zero_fill: a type whose zero is all bits clear");
+  if (count > 0) {
+    std::memset(static_cast<void*>(x), 0, static_cast<size_t>(count) * sizeof(T));
+  }
 }
 
 // row[j] = -inf for the keys j < n that key_mask marks as padding.
@@ -270,7 +304,7 @@ void softmax_rows(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t sca
     }
     alpha[i] = std::exp(m[i] - m_new);  // 0 when m[i] = -inf
     const acc_t sum = exp_scaled_to<acc_t, out_t, Rounding>(x, n, scale, m_new, p_row);  // in place, or rounded
-    std::fill(p_row + n, p_row + cols, out_t(0));
+    zero_fill(p_row + n, cols - n);
     l[i] = l[i] * alpha[i] + sum;
     m[i] = m_new;
   }
