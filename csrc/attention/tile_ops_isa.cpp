@@ -263,10 +263,28 @@ inline void zero_fill(T* x, int64_t count) {
   }
 }
 
-// row[j] = -inf for the keys j < n that key_mask marks as padding.
+// row[j] = -inf for the keys j < n that key_mask marks as padding. float rows a vector at a time (the
+// tile that holds a padded sequence's last real key is masked, a scalar loop over its every score).
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 inline void mask_keys(scalar_t* row, int64_t n, const bool* key_mask) {
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    static_assert(sizeof(bool) == 1, "mask_keys: one byte per key");
+#if defined(CPU_CAPABILITY_AVX512)
+    for (; j + 16 <= n; j += 16) {
+      const __mmask16 real = _mm_test_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(key_mask + j)),
+                                                _mm_set1_epi8(-1));
+      _mm512_storeu_ps(row + j, _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf<float>), real, row + j));
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+    for (; j + 8 <= n; j += 8) {
+      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(key_mask + j)));
+      const __m256 padding = _mm256_castsi256_ps(_mm256_cmpeq_epi32(bytes, _mm256_setzero_si256()));
+      _mm256_storeu_ps(row + j, _mm256_blendv_ps(_mm256_loadu_ps(row + j), _mm256_set1_ps(kNegInf<float>), padding));
+    }
+#endif
+  }
+  for (; j < n; ++j) {
     row[j] = key_mask[j] ? row[j] : static_cast<scalar_t>(kNegInf<acc_t>);
   }
 }
@@ -448,7 +466,7 @@ void probabilities(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t sc
     scalar_t* row = s + i * ld;
     const int64_t n = std::clamp<int64_t>(i + causal_offset + 1, 0, cols);
     if (lse[i] == std::numeric_limits<acc_t>::infinity()) {  // a row with no allowed key
-      std::fill(row, row + cols, scalar_t(0));
+      zero_fill(row, cols);
       continue;
     }
     if constexpr (std::is_same_v<scalar_t, acc_t>) {  // in place
@@ -468,7 +486,7 @@ void probabilities(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t sc
         exp_scaled_to(buf, c, scale, lse[i], row + c0);
       }
     }
-    std::fill(row + n, row + cols, scalar_t(0));
+    zero_fill(row + n, cols - n);
   }
 }
 
