@@ -104,15 +104,15 @@ struct TileOps {
   void (*pair_panels)(const scalar_t* src, int64_t rs, int64_t cs, int64_t k, int64_t n, scalar_t* dst);
 
   // Where pair_gemm runs: x^T (x: rows x cols, float32, ld) as pair_gemm's A, rounded to bfloat16 as
-  // softmax_tile_rounded rounds: pair (j, p) = (x[2p][j], x[2p + 1][j]) at dst + p * ld_dst + 2j (rs_a = 2, cs_a =
-  // ld_dst >= 2 cols), an odd rows' last pair completed with 0.
+  // softmax_tile_rounded rounds: pair (j, p) = (x[2p][j], x[2p + 1][j]) at dst + p * ld_dst + 2j
+  // (rs_a = 2, cs_a = ld_dst >= 2 cols), an odd rows' last pair completed with 0.
   void (*round_pairs_transposed)(const acc_t* x, int64_t ld, int64_t rows, int64_t cols, scalar_t* dst,
                                  int64_t ld_dst);
 
   // Where pair_gemm runs: the backward's dS = scale * P (dP - delta[i * delta_stride]) (as score_grad)
-  // rounded to bfloat16 (as softmax_tile_rounded rounds), written as pair_gemm's A both ways: rows (ld_rows >= cols + cols % 2, an odd
-  // cols' pad column zeroed) and transposed (round_pairs_transposed's layout, ld_t >= 2 cols). dp, p:
-  // rows x cols, float32, ld; left as they are.
+  // rounded to bfloat16 (as softmax_tile_rounded rounds), written as pair_gemm's A both ways: rows
+  // (ld_rows >= cols + cols % 2, an odd cols' pad column zeroed) and transposed (round_pairs_transposed's
+  // layout, ld_t >= 2 cols). dp, p: rows x cols, float32, ld; left as they are.
   void (*score_grad_pairs)(const acc_t* dp, const acc_t* p, int64_t ld, int64_t rows, int64_t cols, acc_t scale,
                            const acc_t* delta, int64_t delta_stride, scalar_t* ds, int64_t ld_rows, scalar_t* ds_t,
                            int64_t ld_t);

@@ -1207,9 +1207,9 @@ CA_BF16_TARGET void pair_panels(const c10::BFloat16* src, int64_t rs, int64_t cs
 }
 
 // The row pairs of a rows x cols float32 tile whose values come from value(i, j) (W of them from j)
-// and value1(i, j) (one), rounded to bfloat16 as PairRounding rounds (vcvtne2ps2bf16), written as pair_gemm's transposed A
-// (round_pairs_transposed's layout at dst_t, ld_t; an odd rows' last pair completed with 0) and, where
-// dst_rows is not nullptr, as rows (ld_rows; an odd cols' pad column zeroed).
+// and value1(i, j) (one), rounded to bfloat16 as PairRounding rounds (vcvtne2ps2bf16), written as
+// pair_gemm's transposed A (round_pairs_transposed's layout at dst_t, ld_t; an odd rows' last pair
+// completed with 0) and, where dst_rows is not nullptr, as rows (ld_rows; an odd cols' pad column zeroed).
 template <typename Value, typename Value1>
 CA_BF16_TARGET inline void round_row_pairs(int64_t rows, int64_t cols, const Value& value, const Value1& value1,
                                            c10::BFloat16* dst_t, int64_t ld_t, c10::BFloat16* dst_rows,
