@@ -132,17 +132,25 @@ struct PanelBuffer {
   std::vector<scalar_t> pairs;
 };
 
-// b packed into buf (resized to fit) for the products' micro-kernel; empty panels for BLAS.
+// v holding at least `size` elements: it only grows (a resize down and up again zeroed the regrown part
+// at every smaller diagonal tile, 0.8% of the bfloat16 backward).
+template <typename T>
+T* at_least(std::vector<T>& v, int64_t size) {
+  if (v.size() < static_cast<size_t>(size)) {
+    v.resize(static_cast<size_t>(size));
+  }
+  return v.data();
+}
+
+// b packed into buf (grown to fit) for the products' micro-kernel; empty panels for BLAS.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 Panels<acc_t> pack_into(PanelBuffer<scalar_t>& buf, Products products, const scalar_t* b, int64_t rs, int64_t cs,
                         int64_t k, int64_t n) {
   switch (products) {
     case Products::kPanels:
-      buf.wide.resize(static_cast<size_t>(packed_size(products, k, n)));
-      return pack(b, rs, cs, k, n, buf.wide.data());
+      return pack(b, rs, cs, k, n, at_least(buf.wide, packed_size(products, k, n)));
     case Products::kPairs:
-      buf.pairs.resize(static_cast<size_t>(packed_size(products, k, n)));
-      return pack_pairs(b, rs, cs, k, n, buf.pairs.data());
+      return pack_pairs(b, rs, cs, k, n, at_least(buf.pairs, packed_size(products, k, n)));
     case Products::kBlas:
       break;
   }
@@ -212,9 +220,9 @@ Operand<scalar_t> operand(const scalar_t* x, int64_t ld, int64_t rows, int64_t c
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     return {x, ld, x, ld};
   } else {
-    buf.resize(static_cast<size_t>(rows * cols));
-    tile::tile_ops<scalar_t>().widen(x, ld, rows, cols, buf.data(), cols);
-    return {x, ld, buf.data(), cols};
+    acc_t* wide = at_least(buf, rows * cols);
+    tile::tile_ops<scalar_t>().widen(x, ld, rows, cols, wide, cols);
+    return {x, ld, wide, cols};
   }
 }
 
