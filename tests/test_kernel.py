@@ -149,6 +149,32 @@ def test_lse_matches_reference_logsumexp():
     assert torch.count_nonzero(out.view(B, T, H, hd).transpose(1, 2)[empty]) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16],
+                         ids=["f64", "f32", "bf16", "f16"])
+def test_a_nan_key_reaches_exactly_the_queries_that_see_it(dtype):
+    """A NaN in one key (head 0, position 150) makes every output of head 0 from query 150 on NaN, as
+    the reference's softmax would, and leaves the earlier queries and the other head bit for bit as
+    without it (the score is computed in their tiles too, but past their causal limit); the decode op
+    likewise for the one sequence whose cache holds the NaN key."""
+    B, T, H, hd, pos = 2, 300, 2, 64, 150
+    qkv = torch.randn(B, T, 3 * H * hd).to(dtype)
+    bad = qkv.clone()
+    bad[:, pos, H * hd + 5] = float("nan")  # k of head 0, one coordinate
+    clean, _ = torch.ops.causal_attention.attention_forward(qkv, None, H)
+    out, _ = torch.ops.causal_attention.attention_forward(bad, None, H)
+    assert out[:, pos:, :hd].isnan().all()
+    assert torch.equal(out[:, :pos], clean[:, :pos])
+    assert torch.equal(out[:, :, hd:], clean[:, :, hd:])
+
+    k, v = torch.randn(2, B, H, T, hd).to(dtype)
+    k[0, 0, pos, 5] = float("nan")
+    start = torch.full((B,), T - 1)
+    step = torch.randn(B, 1, 3 * H * hd).to(dtype)
+    y = torch.ops.causal_attention.decode_attention(step, k, v, start, start + 1, H)
+    assert y[0, :, :hd].isnan().all()
+    assert not y[0, :, hd:].isnan().any() and not y[1].isnan().any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_deterministic_and_thread_count_independent(dtype):
     B, T, H, hd = 2, 400, 4, 32

@@ -45,8 +45,8 @@ inline Vec<float> load_widened(const scalar_t* src) {  // W values
 }
 
 template <typename scalar_t>
-inline void store_narrowed(const Vec<float>& x, scalar_t* dst) {  // W values
-  at::vec::convert_from_float<scalar_t>(x, x).store(dst, Vec<float>::size());
+inline void store_narrowed(const Vec<float>& x, scalar_t* dst, int64_t count = Vec<float>::size()) {  // count <= W
+  at::vec::convert_from_float<scalar_t>(x, x).store(dst, count);
 }
 
 template <typename scalar_t>
@@ -58,7 +58,7 @@ inline void store_narrowed(const Vec<float>& lo, const Vec<float>& hi, scalar_t*
 struct AtenRounding {
   template <typename out_t>
   static void store(const Vec<float>& x, out_t* dst, int64_t count = Vec<float>::size()) {  // count <= W values
-    at::vec::convert_from_float<out_t>(x, x).store(dst, count);
+    store_narrowed(x, dst, count);
   }
 };
 
@@ -139,9 +139,10 @@ inline Vec<acc_t> load_first(const acc_t* x, int64_t count, acc_t fill) {
   return Vec<acc_t>::set(Vec<acc_t>(fill), Vec<acc_t>::loadu(x, count), count);
 }
 
-// The W lanes of v added / their maximum: float in log2(W) shuffle steps (at::vec), where a loop over
-// the stored lanes took W - 1 dependent steps; double (the float64 path) by that loop (GCC 12 warns
-// inside the double shuffle intrinsics).
+// The W lanes of v added / their maximum (a NaN lane gives NaN): float in log2(W) shuffle steps on AVX2
+// and AVX-512 (at::vec; W - 1 steps in the DEFAULT build), where a loop over the stored lanes took W - 1
+// dependent steps; double (the float64 path) by that loop (GCC 12 warns inside the double shuffle
+// intrinsics).
 template <typename acc_t>
 inline acc_t lanes_sum(const Vec<acc_t>& v) {
   if constexpr (std::is_same_v<acc_t, float>) {
@@ -160,7 +161,11 @@ inline acc_t lanes_max(const Vec<acc_t>& v) {
   } else {
     acc_t lanes[Vec<acc_t>::size()];
     v.store(lanes);
-    return *std::max_element(lanes, lanes + Vec<acc_t>::size());
+    acc_t result = lanes[0];
+    for (int64_t w = 1; w < Vec<acc_t>::size(); ++w) {
+      result = (std::isnan(lanes[w]) || lanes[w] > result) ? lanes[w] : result;
+    }
+    return result;
   }
 }
 
@@ -191,12 +196,13 @@ inline acc_t max_of(const acc_t* x, int64_t n) {
   return lanes_max(vmax);
 }
 
-// exp(x) for W lanes, as the softmax needs it (arguments <= 0, -inf for a masked key; any x works).
+// exp(x) for W lanes, as the softmax needs it (arguments <= 0, -inf for a masked key; x <= ~88).
 // AVX512: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, Cody and Waite), e^r by at::vec's exp_u20
-// polynomial, 2^n by vscalefps; 0 below ln(FLT_MIN) as exp_u20 gives, so that no denormal reaches a
-// product; NaN stays NaN. Ten instructions where exp_u20 takes seventeen: 2.7 against 3.5 ns per vector
-// on a Zen 4 core, and within 2 ulp of exp over [-87.3, 0] (exp_u20: 20 ulp, and 0 from -87).
-// exp(0) = 1 exactly (a row of one key has P = 1). Other builds: exp_u20.
+// polynomial, 2^n by vscalefps; 0 at and below ln(FLT_MIN), so that no denormal reaches a product (exp_u20
+// gives 0 from about -87.0); NaN stays NaN (+inf gives NaN). Eleven instructions where exp_u20 takes
+// seventeen: 2.7 against 3.5 ns per vector on a Zen 4 core, and within 2 ulp of exp over [-87.3, 0]
+// (exp_u20: 20 ulp). exp(0) = 1 exactly (a row of one key has P = 1). The AVX2 and DEFAULT builds use
+// at::vec's exp_u20 (in DEFAULT, std::exp lane by lane).
 inline Vec<float> exp_vec(const Vec<float>& x) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m512 v = x;
@@ -209,7 +215,8 @@ inline Vec<float> exp_vec(const Vec<float>& x) {
   p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.499991506f));
   p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.999999701f));
   p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0f));
-  const __mmask16 normal = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.33654475f), _CMP_NLT_UQ);  // ln(FLT_MIN)
+  // x > -87.3365478515625, the float just below ln(FLT_MIN) = -87.33654475...: e^x >= FLT_MIN (or NaN).
+  const __mmask16 normal = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.3365478515625f), _CMP_NLE_UQ);
   return _mm512_maskz_scalef_ps(normal, p, n);
 #else
   return x.exp_u20();
@@ -326,10 +333,10 @@ void softmax_rows(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t sca
       x = buf;
     }
     // scale > 0, so the max of the scaled row is scale times the max of the raw row.
-    const acc_t m_new = std::max(m[i], scale * max_of(x, n));
+    const acc_t m_new = std::max(scale * max_of(x, n), m[i]);  // a NaN score first: it stays (NaN out)
     if (m_new == kNegInf<acc_t>) {  // no allowed key yet: the row stays empty
       alpha[i] = 1;
-      std::fill(p_row, p_row + cols, out_t(0));
+      zero_fill(p_row, cols);
       continue;
     }
     alpha[i] = std::exp(m[i] - m_new);  // 0 when m[i] = -inf
@@ -899,7 +906,7 @@ void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_
     for (; j < visible; ++j) {
       dot_rows<1>(q + i * hd, k + j * ld, ld, hd, buf + j);
     }
-    const acc_t m_new = std::max(m[i], scale * max_of(buf, visible));
+    const acc_t m_new = std::max(scale * max_of(buf, visible), m[i]);  // a NaN score stays (NaN out)
     const acc_t alpha = std::exp(m[i] - m_new);  // 0 when m[i] = -inf
     l[i] = l[i] * alpha + exp_scaled_inplace(buf, visible, scale, m_new);
     m[i] = m_new;

@@ -203,7 +203,7 @@ Operand<scalar_t> rows_from(const Operand<scalar_t>& a, int64_t r0) {
 }
 
 // x (rows x cols, ld) of the input type as an Operand: for the float32 micro-kernel widened into buf
-// (resized to fit) for bfloat16 / half; for the pair micro-kernel read in place (cols even, as head_dim is
+// (grown to fit) for bfloat16 / half; for the pair micro-kernel read in place (cols even, as head_dim is
 // there).
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 Operand<scalar_t> operand(const scalar_t* x, int64_t ld, int64_t rows, int64_t cols, Products products,

@@ -32,14 +32,15 @@ torch::Tensor hardware_rounded(const torch::Tensor& x) {
 }
 
 // Float32 denormals at the first and the last column of x's first and last rows (in the vectorised part
-// and in the scalar tail when cols is not a multiple of 16): the largest denormal, which ATen rounds up
-// to FLT_MIN where the instruction gives 0, and a small negative one.
+// and in the scalar tail when cols is not a multiple of 16): small ones, then (written last, so that they
+// stay where the cells coincide: one row or one column) the largest denormal, which ATen rounds up to
+// FLT_MIN where the instruction gives 0, and its negative.
 void plant_denormals(torch::Tensor& x, int64_t rows, int64_t cols) {
   const float largest = std::nextafter(std::numeric_limits<float>::min(), 0.0f);
-  x[0][0] = largest;
-  x[rows - 1][cols - 1] = -largest;
   x[rows - 1][0] = -1e-39f;
   x[0][cols - 1] = 1e-39f;
+  x[0][0] = largest;
+  x[rows - 1][cols - 1] = -largest;
 }
 
 // The pair panels' value (p, j, half) of dst: element (2p + half, j) of B.
@@ -138,9 +139,9 @@ TEST(PairGemm, RoundsTransposedPairsExactly) {
 }
 
 // score_grad_pairs: dS = scale * P (dP - delta) (float32, as score_grad computes it) rounded as
-// vcvtneps2bf16 rounds (denormal P planted, so some dS are denormal), in rows (an odd cols' pad column
-// zeroed) and as round_pairs_transposed lays out x^T, bit for
-// bit; nothing written past either form's columns; dp and p left as they were.
+// vcvtneps2bf16 rounds (denormal P planted where dP - delta = 1, so some dS are denormal), in rows (an
+// odd cols' pad column zeroed) and as round_pairs_transposed lays out x^T, bit for bit; nothing written
+// past either form's columns; dp and p left as they were.
 TEST(PairGemm, ScoreGradPairsRoundsDsBothWays) {
   if (!has_avx512_bf16()) {
     GTEST_SKIP() << "this CPU has no AVX512-BF16";
@@ -155,8 +156,10 @@ TEST(PairGemm, ScoreGradPairsRoundsDsBothWays) {
       const int64_t ld = cols + 3;
       auto p = torch::rand({rows, ld});
       plant_denormals(p, rows, cols);
-      const auto dp = torch::randn({rows, ld}) * 10;
+      auto dp = torch::randn({rows, ld}) * 10;
       const auto delta = torch::randn({rows, 2});  // stride 2: one head of two
+      dp[0][0] = delta[0][0] + 1.0f;  // dS = scale * P there: denormal where P is
+      dp[rows - 1][cols - 1] = delta[rows - 1][0] + 1.0f;
       const auto p0 = p.clone(), dp0 = dp.clone();
       // The float32 dS of score_grad, then rounded.
       auto want = dp.clone();
