@@ -1,7 +1,9 @@
 // The forward's online-softmax step (tile_ops.h: softmax_tile, softmax_tile_rounded), each build's table
 // called directly (DEFAULT always; AVX2 and AVX512 where the CPU has them). The float32 step against
 // float64 (P, the running max and sum, the rescale factor) over two tiles in a row, with causal limits,
-// key masks and rows that see no key; and the rounded step (bfloat16 P for the pair micro-kernel, AVX512
+// key masks and rows that see no key; the bfloat16 / half tables' own step in place over scores of their
+// type against the float32 step over the widened scores then static_cast (bit for bit, masked tails
+// included); and the rounded step (bfloat16 P for the pair micro-kernel, AVX512
 // with AVX512-BF16 only) against the float32 step followed by rounding each value as vcvtneps2bf16 does
 // (to nearest even as ATen rounds, a float32 denormal to a zero of its sign): the same m, l, alpha and, bit
 // for bit, the same rounded P, zeros included, at the underflow edge too.
@@ -172,10 +174,51 @@ void check_rounded_step(const tile::TileOps<float>& float_ops, const tile::TileO
   EXPECT_GT(near_flt_min, 0) << isa << ": the underflow case made no P near FLT_MIN";
 }
 
+// The bfloat16 / half tables' own step, in place over scores of that type (widened, then P rounded as
+// ATen rounds, masked tails included): the float32 step over the widened scores, then static_cast, bit
+// for bit, with the same m, l and alpha.
+template <typename scalar_t>
+void check_narrow_step(const tile::TileOps<float>& float_ops, const tile::TileOps<scalar_t>& ops,
+                       torch::ScalarType dtype, const std::string& isa) {
+  torch::manual_seed(2);
+  const float scale = 0.125f;
+  for (const auto& c : cases()) {
+    const std::string where = isa + " " + std::string(c10::toString(dtype)) + " cols " + std::to_string(c.cols) +
+                              " offset " + std::to_string(c.causal_offset) + (c.masked ? " masked" : "");
+    std::vector<float> m(c.rows, -kInf), l(c.rows, 0.f), alpha(c.rows), buf(c.cols);
+    std::vector<float> m2(c.rows, -kInf), l2(c.rows, 0.f), alpha2(c.rows), buf2(c.cols);
+    for (int step = 0; step < 2; ++step) {
+      const auto scores = (torch::randn({c.rows, c.cols}) * 20).to(dtype).contiguous();
+      std::vector<scalar_t> s(scores.data_ptr<scalar_t>(), scores.data_ptr<scalar_t>() + scores.numel());
+      const auto widened = scores.to(torch::kFloat).contiguous();
+      std::vector<float> s2(widened.data_ptr<float>(), widened.data_ptr<float>() + widened.numel());
+      const auto mask = key_mask(c.cols);
+      const bool* mp = c.masked ? reinterpret_cast<const bool*>(mask.data()) : nullptr;
+      ops.softmax_tile(s.data(), c.cols, c.rows, c.cols, scale, c.causal_offset, mp, m.data(), l.data(),
+                       alpha.data(), buf.data());
+      float_ops.softmax_tile(s2.data(), c.cols, c.rows, c.cols, scale, c.causal_offset, mp, m2.data(), l2.data(),
+                             alpha2.data(), buf2.data());
+      for (int64_t i = 0; i < c.rows; ++i) {
+        EXPECT_EQ(m[i], m2[i]) << where << " row " << i;
+        EXPECT_EQ(l[i], l2[i]) << where << " row " << i;
+        EXPECT_EQ(alpha[i], alpha2[i]) << where << " row " << i;
+        for (int64_t j = 0; j < c.cols; ++j) {
+          const auto want = static_cast<scalar_t>(s2[i * c.cols + j]);
+          EXPECT_EQ(std::memcmp(&s[i * c.cols + j], &want, sizeof(scalar_t)), 0)
+              << where << " step " << step << " (" << i << ", " << j << "): " << static_cast<float>(s[i * c.cols + j])
+              << " vs " << static_cast<float>(want);
+        }
+      }
+    }
+  }
+}
+
 // The rounded step only where the pair micro-kernel is: bfloat16, AVX512 with AVX512-BF16.
 template <typename F32, typename BF16, typename F16>
 void check_isa(F32 f32, BF16 bf16, F16 f16, const std::string& isa, bool pairs) {
   check_float_step(f32(), isa);
+  check_narrow_step(f32(), bf16(), torch::kBFloat16, isa);
+  check_narrow_step(f32(), f16(), torch::kHalf, isa);
   if (pairs) {
     check_rounded_step(f32(), bf16(), isa);
   } else {
