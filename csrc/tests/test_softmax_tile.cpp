@@ -106,6 +106,15 @@ void check_float_step(const tile::TileOps<float>& ops, const std::string& isa) {
   }
 }
 
+// Row i's running max, sum and rescale factor the same, bit for bit, in two runs of the step.
+void expect_same_stats(const std::vector<float>& m, const std::vector<float>& m2, const std::vector<float>& l,
+                       const std::vector<float>& l2, const std::vector<float>& alpha, const std::vector<float>& alpha2,
+                       int64_t i, const std::string& where) {
+  EXPECT_EQ(m[i], m2[i]) << where << " row " << i;
+  EXPECT_EQ(l[i], l2[i]) << where << " row " << i;
+  EXPECT_EQ(alpha[i], alpha2[i]) << where << " row " << i;
+}
+
 // x in bfloat16 as vcvtneps2bf16 narrows it.
 c10::BFloat16 hardware_rounded(float x) {
   if (std::fabs(x) < std::numeric_limits<float>::min()) {
@@ -148,9 +157,7 @@ void check_rounded_step(const tile::TileOps<float>& float_ops, const tile::TileO
       float_ops.softmax_tile(s2.data(), c.cols, c.rows, c.cols, scale, c.causal_offset, mp, m2.data(), l2.data(),
                              alpha2.data(), buf.data());
       for (int64_t i = 0; i < c.rows; ++i) {
-        EXPECT_EQ(m[i], m2[i]) << where << " row " << i;
-        EXPECT_EQ(l[i], l2[i]) << where << " row " << i;
-        EXPECT_EQ(alpha[i], alpha2[i]) << where << " row " << i;
+        expect_same_stats(m, m2, l, l2, alpha, alpha2, i, where);
         for (int64_t j = 0; j < ld_p; ++j) {
           const float value = j < c.cols ? s2[i * c.cols + j] : 7.0f;
           near_flt_min += value != 0 && std::fabs(value) < 2 * std::numeric_limits<float>::min();
@@ -199,9 +206,7 @@ void check_narrow_step(const tile::TileOps<float>& float_ops, const tile::TileOp
       float_ops.softmax_tile(s2.data(), c.cols, c.rows, c.cols, scale, c.causal_offset, mp, m2.data(), l2.data(),
                              alpha2.data(), buf2.data());
       for (int64_t i = 0; i < c.rows; ++i) {
-        EXPECT_EQ(m[i], m2[i]) << where << " row " << i;
-        EXPECT_EQ(l[i], l2[i]) << where << " row " << i;
-        EXPECT_EQ(alpha[i], alpha2[i]) << where << " row " << i;
+        expect_same_stats(m, m2, l, l2, alpha, alpha2, i, where);
         for (int64_t j = 0; j < c.cols; ++j) {
           const auto want = static_cast<scalar_t>(s2[i * c.cols + j]);
           EXPECT_EQ(std::memcmp(&s[i * c.cols + j], &want, sizeof(scalar_t)), 0)
