@@ -464,8 +464,7 @@ def main() -> None:
             results[name] = {"metrics": {k: max(float(m[k]) for m in metrics) for k in metrics[0]}}  # type: ignore[index]
     if rank() == 0:
         Path(args.out).write_text(json.dumps(results, indent=1))
-    dist.barrier()  # no rank tears the group down while another still uses it
-    dist.destroy_process_group()
+    cad.finish()  # frees the scenarios' FSDP modules, waits for every rank, destroys the group
 
 
 if __name__ == "__main__":

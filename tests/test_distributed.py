@@ -183,6 +183,38 @@ def test_demo_command_trains_like_one_process(single_demo, tmp_path, strategy):
     assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= 1e-4
 
 
+TEARDOWN_PROBE = """
+import gc, json, sys
+from pathlib import Path
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from causal_attention import demo
+
+out = Path(sys.argv[1])
+destroy = dist.destroy_process_group
+def probe(*args, **kwargs):
+    live = sum(isinstance(o, FSDPModule) for o in gc.get_objects())  # no collection here: what is left
+    (out / f"live{dist.get_rank()}.json").write_text(json.dumps(live))
+    destroy(*args, **kwargs)
+dist.destroy_process_group = probe
+demo.main(steps=2, seed=3, out=out, load=None, n_eval=2, distributed_strategy="fsdp")
+"""
+
+
+def test_demo_frees_fsdp_modules_before_the_group_goes(tmp_path):
+    """FSDP2's modules are reference cycles: left to the interpreter's shutdown, they (and the gloo
+    work they hold) were destroyed after the process group, and once in CI a rank aborted there
+    ("terminate called without an active exception") after writing all its files. The demo frees
+    them first (distributed.finish): when the group is destroyed, no FSDP module is alive."""
+    script = tmp_path / "probe.py"
+    script.write_text(TEARDOWN_PROBE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert [json.loads((tmp_path / f"live{r}.json").read_text()) for r in range(2)] == [0, 0]
+
+
 def test_demo_distributed_needs_torchrun(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-m", "causal_attention", *DEMO_ARGS, "--out", str(tmp_path),

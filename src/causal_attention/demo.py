@@ -230,14 +230,16 @@ def _main_distributed(strategy: str, *, steps: int, seed: int, out: Path, n_eval
     from . import distributed
 
     run = distributed.start(strategy)
+    ok = False
     try:
         metrics = _train_distributed(run, steps=steps, seed=seed, out=out, n_eval=n_eval)
-        # The other ranks wait for rank 0's evaluation and files: a rank that tears its process
-        # group down and exits while a peer still holds the connection can abort in gloo.
-        torch.distributed.barrier()
+        ok = True
         return metrics
     finally:
-        torch.distributed.destroy_process_group()
+        # The other ranks wait for rank 0's evaluation and files; the trained (FSDP) modules are
+        # freed before the group goes: distributed.finish.
+        del run
+        distributed.finish(ok=ok)
 
 
 def _train_distributed(run: Run, *, steps: int, seed: int, out: Path, n_eval: int) -> dict[str, float]:

@@ -19,6 +19,7 @@ Shapes: B batch, T tokens, H heads, hd head_dim, dim = H * hd, W = tensor-parall
 from __future__ import annotations
 
 import functools
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Sequence
@@ -428,6 +429,28 @@ def start(strategy: str) -> Run:
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     return Run(strategy, dist.get_rank(), world, mesh)  # type: ignore[arg-type]
+
+
+def finish(*, ok: bool = True) -> None:
+    """Ends this process's part in a run: frees the wrapped models, then (``ok``: every rank got
+    here) waits for the other ranks, and destroys the process group.
+
+    FSDP2's modules are reference cycles, so they outlive the function that trained them until
+    a garbage collection, possibly the interpreter's shutdown. Destroyed there, they and the gloo
+    work they hold can abort the process ("terminate called without an active exception", seen
+    once in CI after a run that had written all its files). Collecting them here, while the
+    group and the interpreter are alive, leaves nothing for shutdown. Not ``ok`` (an exception):
+    no barrier, a peer may be gone.
+    """
+    import torch.distributed as dist
+
+    gc.collect()
+    try:
+        if ok:
+            dist.barrier()  # no rank tears the group down while another still uses it
+    finally:
+        dist.destroy_process_group()
+        gc.collect()
 
 
 register_sharding_rules()
