@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from causal_attention import cli
+from causal_attention.bench import DECODE_READ_ROW
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CHECK_KEYS = {"shape", "mask", "impl", "err_vs_mha", "err_vs_ref64", "fwd_ms", "fwd_bwd_ms", "fwd_vs_mha",
@@ -105,7 +106,7 @@ def test_bench_at_tiny_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     steps = [d for d in report["decode"] if str(d["row"]).startswith("decode step")]
     assert {(d["row"], d["dtype"]) for d in steps} == {
         (row, dt) for row in ("decode step: whole layer", "decode step: attention op")
-        for dt in ("float32", "bfloat16", "float16")}
+        for dt in ("float32", "bfloat16", "float16")} | {(DECODE_READ_ROW, "float32")}
     for d in steps:
         assert _positive_finite(d["ms"]) and _positive_finite(d["vs_f32"]) and _positive_finite(d["kv_GB_per_s"])
         f32 = next(e for e in steps if e["row"] == d["row"] and e["dtype"] == "float32")
@@ -114,7 +115,9 @@ def test_bench_at_tiny_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         kv_bytes = 2 * dB * dH * ctx * (ddim // dH) * itemsize  # K and V of the context, read once
         assert d["kv_GB_per_s"] * 1e9 * d["ms"] / 1e3 == pytest.approx(kv_bytes, rel=1e-9)
         # All bytes: the layer's qkv and proj weights and biases and the K and V rows it writes, too.
-        extra = (4 * ddim * ddim + 4 * ddim + 2 * dB * ddim) * itemsize if d["row"] == "decode step: whole layer" else 0
+        # The read-only ceiling: the weights and the cache's spare position (max_len = ctx + 1).
+        extra = {"decode step: whole layer": 4 * ddim * ddim + 4 * ddim + 2 * dB * ddim,
+                 DECODE_READ_ROW: 4 * ddim * ddim + 4 * ddim + 2 * dB * ddim}.get(d["row"], 0) * itemsize
         assert d["all_GB_per_s"] * 1e9 * d["ms"] / 1e3 == pytest.approx(kv_bytes + extra, rel=1e-9)
         assert d["all_of_copy"] / d["of_copy"] == pytest.approx((kv_bytes + extra) / kv_bytes, rel=1e-9)
     generate = {d["row"]: d for d in report["decode"] if str(d["row"]).startswith("generate")}
@@ -184,9 +187,12 @@ def test_bench_targets_from_rows() -> None:
                            fwd_bwd_ms=None, baseline=base)
                 rows += [ours, flex]
     report = Report(B=4, H=12, hd=64, threads=2, capability="avx2", mm_gflops={}, mm_n={}, copy_gbs=10.0, rows=rows,
-                    decode=[{"row": "decode step: whole layer", "dtype": "float32", "of_copy": 0.9, "shape": "s"}],
+                    decode=[{"row": "decode step: whole layer", "dtype": "float32", "of_copy": 0.9, "shape": "s"},
+                            {"row": DECODE_READ_ROW, "dtype": "float32", "of_copy": 0.95, "shape": "s"}],
                     thread_scaling={"T": 2048, "threads": 2, "speedup": 1.9})
     got = {t["target"]: (t["value"], t["met"]) for t in targets(report)}
+    decode_note = next(t["note"] for t in targets(report) if t["target"].startswith("decode step"))
+    assert decode_note == "only reading the layer's bytes: 95%; the layer is at 95% of that"
     assert got == {
         "bf16 forward, of same-run bf16 GEMM ceiling, T=2048": (0.3, False),
         **{f"bf16 fwd+bwd vs f32 fwd+bwd, T={T}": (2.0, True) for T in (1024, 2048, 4096)},
