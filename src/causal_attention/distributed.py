@@ -432,8 +432,9 @@ def start(strategy: str) -> Run:
 
 
 def finish(*, ok: bool = True) -> None:
-    """Ends this process's part in a run: frees the wrapped models, then (``ok``: every rank got
-    here) waits for the other ranks, and destroys the process group.
+    """Ends this process's part in a run: a garbage collection (the wrapped models the caller no
+    longer holds), then (``ok``: every rank got here) a wait for the other ranks, and the process
+    group destroyed.
 
     FSDP2's modules are reference cycles, so they outlive the function that trained them until
     a garbage collection, possibly the interpreter's shutdown. Destroyed there, they and the gloo
