@@ -1,7 +1,9 @@
 """``python -m causal_attention bench``: the fused kernel and the module against PyTorch's own.
 
 Everything runs in this process, interleaved (round-robin, rotated), and is reported as medians;
-the machines are noisy, so ratios within one run are the result, not absolute times.
+the machines are noisy, so ratios within one run are the result, not absolute times. The ratios
+that the targets read from two functions timed together (bfloat16 against float32, 1 thread against
+2, a decode step against the copy) are medians of the per-round ratios (timing.paired_ratio).
 
 Counting the work (every implementation is credited with the same useful FLOPs, whatever it
 actually computes, so GFLOP/s compare like with like):
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -55,7 +58,7 @@ from . import _ops
 from .cache import KVCache
 from .module import CausalSelfAttention
 from .reference import attention_core
-from .timing import interleaved_medians
+from .timing import interleaved_medians, interleaved_times, paired_ratio
 
 # Materialising B*H*T*T scores (reference, nn.MultiheadAttention) past this length costs many GB.
 MATERIALISING_MAX_T = 2048
@@ -286,8 +289,10 @@ def decode_rows(*, B: int = 8, ctx: int = 2048, dim: int = 768, H: int = 12,
     src, dst = torch.randn(2 * B * H * ctx * hd), torch.empty(2 * B * H * ctx * hd)
     fns["copy"] = lambda: dst.copy_(src)
     with torch.no_grad():
-        t = interleaved_medians(fns, repeats=repeats, warmup=2)
-    copy_gbs = 2 * src.numel() * 4 / t["copy"] / 1e9  # read + write
+        times = interleaved_times(fns, repeats=repeats, warmup=2)
+    t = {name: statistics.median(ts) for name, ts in times.items()}
+    copy_bytes = 2 * src.numel() * 4  # read + write
+    copy_gbs = copy_bytes / t["copy"] / 1e9
     kinds = (("layer", "decode step: whole layer", dtypes), ("op", "decode step: attention op", dtypes),
              ("read", DECODE_READ_ROW, dtypes[:1]))
     for kind, label, kind_dtypes in kinds:
@@ -300,8 +305,11 @@ def decode_rows(*, B: int = 8, ctx: int = 2048, dim: int = 768, H: int = 12,
             ms = t[f"{kind} {_name(dtype)}"]
             gbs = kv_bytes / ms / 1e9
             all_gbs = (kv_bytes + layer_bytes) / ms / 1e9
+            # Of copy: this step's bytes per second over the copy's, round by round (paired_ratio).
+            copy_per_step = paired_ratio(times, "copy", f"{kind} {_name(dtype)}") / copy_bytes
             rows.append({"row": label, "dtype": _name(dtype), "ms": ms * 1e3, "kv_GB_per_s": gbs,
-                         "of_copy": gbs / copy_gbs, "all_GB_per_s": all_gbs, "all_of_copy": all_gbs / copy_gbs,
+                         "of_copy": kv_bytes * copy_per_step, "all_GB_per_s": all_gbs,
+                         "all_of_copy": (kv_bytes + layer_bytes) * copy_per_step,
                          "copy_GB_per_s": copy_gbs,
                          "vs_f32": t[f"{kind} float32"] / ms, "shape": f"B={B} ctx={ctx} dim={dim} H={H}"})
 
@@ -403,12 +411,13 @@ def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repe
         scaling_T = max((T for T in lengths if T <= 2048), default=None)
         if backward and scaling_T is not None and report.threads > 1:
             progress.update(task, description=f"threads 1 vs {report.threads}, T={scaling_T}")
-            report.thread_scaling = thread_scaling(B, scaling_T, H, hd, report.threads, repeats=max(3, repeats // 2),
-                                                   generator=gen)
+            report.thread_scaling = thread_scaling(B, scaling_T, H, hd, report.threads,
+                                                   repeats=side_by_side_repeats(repeats), generator=gen)
         if backward and torch.bfloat16 in dtypes and torch.float32 in dtypes:
             for T in (T for T in lengths if T in BF16_SPEEDUP_T):
                 progress.update(task, description=f"float32 vs bfloat16, T={T}")
-                report.bf16_speedup.append(bf16_speedup(B, T, H, hd, repeats=max(3, repeats // 2), generator=gen))
+                report.bf16_speedup.append(bf16_speedup(B, T, H, hd, repeats=side_by_side_repeats(repeats),
+                                                        generator=gen))
         if decode_shape is not None:
             progress.update(task, description="decode")
             dB, ctx, ddim, dH = decode_shape
@@ -422,10 +431,18 @@ def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repe
 BF16_SPEEDUP_T = (1024, 2048, 4096)
 
 
+def side_by_side_repeats(repeats: int) -> int:
+    """Rounds for the two-function comparisons that targets read directly (bfloat16 against float32,
+    1 thread against all): at least 7, so that the median of the paired ratios is one of 7+ rounds
+    (with 3, one slow round of the shared machine moved the target's figure by 3-5%)."""
+    return max(7, repeats)
+
+
 def bf16_speedup(B: int, T: int, H: int, hd: int, *, repeats: int, generator: torch.Generator) -> dict[str, float]:
     """Our kernel's fwd+bwd (padded) in float32 and in bfloat16 on the same inputs, interleaved with each
     other (the kernel rows time each dtype in its own group, minutes apart on a machine whose speed
-    drifts): milliseconds and the speed-up (float32 time / bfloat16 time)."""
+    drifts): median milliseconds and the speed-up (float32 time / bfloat16 time, round by round:
+    paired_ratio)."""
     mask = _padded_mask(B, T, generator)
     qkv = torch.randn(B, T, 3 * H * hd)
     g = torch.randn(B, T, H * hd)
@@ -434,16 +451,17 @@ def bf16_speedup(B: int, T: int, H: int, hd: int, *, repeats: int, generator: to
         x, dy = qkv.to(dtype), g.to(dtype)
         return lambda: _ops.attention(x.detach().requires_grad_(), mask, H).backward(dy)
 
-    t = interleaved_medians({"float32": step(torch.float32), "bfloat16": step(torch.bfloat16)}, repeats=repeats,
-                            warmup=1)
-    return {"T": T, "float32_ms": t["float32"] * 1e3, "bfloat16_ms": t["bfloat16"] * 1e3,
-            "speedup": t["float32"] / t["bfloat16"]}
+    times = interleaved_times({"float32": step(torch.float32), "bfloat16": step(torch.bfloat16)}, repeats=repeats,
+                              warmup=1)
+    return {"T": T, "float32_ms": statistics.median(times["float32"]) * 1e3,
+            "bfloat16_ms": statistics.median(times["bfloat16"]) * 1e3,
+            "speedup": paired_ratio(times, "float32", "bfloat16")}
 
 
 def thread_scaling(B: int, T: int, H: int, hd: int, threads: int, *, repeats: int,
                    generator: torch.Generator) -> dict[str, float]:
-    """Our kernel's fwd+bwd (float32, padded) on 1 thread and on `threads`, interleaved: seconds and
-    the speed-up (1-thread time / threads' time)."""
+    """Our kernel's fwd+bwd (float32, padded) on 1 thread and on `threads`, interleaved: median
+    milliseconds and the speed-up (1-thread time / threads' time, round by round: paired_ratio)."""
     mask = _padded_mask(B, T, generator)
     qkv = torch.randn(B, T, 3 * H * hd)
     g = torch.randn(B, T, H * hd)
@@ -456,11 +474,12 @@ def thread_scaling(B: int, T: int, H: int, hd: int, threads: int, *, repeats: in
         return run
 
     try:
-        t = interleaved_medians({"1": on(1), str(threads): on(threads)}, repeats=repeats, warmup=1)
+        times = interleaved_times({"1": on(1), str(threads): on(threads)}, repeats=repeats, warmup=1)
     finally:
         torch.set_num_threads(threads)
-    return {"T": T, "threads": threads, "one_thread_ms": t["1"] * 1e3, "all_threads_ms": t[str(threads)] * 1e3,
-            "speedup": t["1"] / t[str(threads)]}
+    return {"T": T, "threads": threads, "one_thread_ms": statistics.median(times["1"]) * 1e3,
+            "all_threads_ms": statistics.median(times[str(threads)]) * 1e3,
+            "speedup": paired_ratio(times, "1", str(threads))}
 
 
 # The performance targets of the second round (B=4, H=12, hd=64, padding lengths U[T/2, T]):

@@ -1,5 +1,6 @@
 """Interleaved timing: the machines are noisy, so implementations are timed side by side in one
-process, round-robin, and compared by the median of their runs."""
+process, round-robin, and compared by the median of their runs; a ratio of two of them can be
+taken round by round (paired_ratio), where the machine's drift between rounds cancels."""
 
 from __future__ import annotations
 
@@ -8,13 +9,16 @@ import time
 from typing import Callable, Mapping
 
 
-def interleaved_medians(
+def interleaved_times(
     fns: Mapping[str, Callable[[], object]], *, repeats: int = 7, warmup: int = 1,
     after_call: Callable[[], object] | None = None,
-) -> dict[str, float]:
-    """Median wall time in seconds of each function; each round runs every function once, in an
-    order rotated from round to round so that none always runs first. after_call (e.g. advancing
-    a progress bar) runs after every call, warm-up included, outside the timed region."""
+) -> dict[str, list[float]]:
+    """Wall times in seconds of each function, one per round (in round order); each round runs
+    every function once, in an order rotated from round to round so that none always runs first.
+    after_call (e.g. advancing a progress bar) runs after every call, warm-up included, outside the
+    timed region."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1; got {repeats}")
     names = list(fns)
     for _ in range(warmup):
         for name in names:
@@ -30,4 +34,24 @@ def interleaved_medians(
             times[name].append(time.perf_counter() - start)
             if after_call is not None:
                 after_call()
+    return times
+
+
+def interleaved_medians(
+    fns: Mapping[str, Callable[[], object]], *, repeats: int = 7, warmup: int = 1,
+    after_call: Callable[[], object] | None = None,
+) -> dict[str, float]:
+    """Median wall time in seconds of each function over interleaved_times' rounds."""
+    times = interleaved_times(fns, repeats=repeats, warmup=warmup, after_call=after_call)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def paired_ratio(times: Mapping[str, list[float]], numerator: str, denominator: str) -> float:
+    """The median over rounds of numerator's time / denominator's time in the same round (e.g.
+    the slower implementation over the faster: a speed-up). Both ran within one round, seconds
+    apart, so a change in the machine's speed between rounds (another tenant, a clock) cancels,
+    which a ratio of the two medians, taken from different rounds, does not."""
+    a, b = times[numerator], times[denominator]
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired_ratio: {numerator!r} and {denominator!r} need the same rounds; got {len(a)} and {len(b)}")
+    return statistics.median(x / y for x, y in zip(a, b))
