@@ -172,10 +172,11 @@ class ForwardPass {
         scale_(acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd))),
         products_(products_for<scalar_t>(g.hd)) {}
 
-  // Work items are (batch, head, query block), costing the keys the block sees.
+  // Work items are (batch, head, query block), costing the keys the block sees, grouped by (batch,
+  // head) so that the threads share a head's key panels in cache (costliest_groups_first).
   void run() const {
     const auto panels = pack_key_blocks();
-    const auto order = costliest_first(g_.B * g_.H * g_.nq, [&](int64_t item) {
+    const auto order = costliest_groups_first(g_.B * g_.H * g_.nq, g_.nq, [&](int64_t item) {
       const int64_t b = item / (g_.H * g_.nq);
       const int64_t q_end = std::min(g_.T, (item % g_.nq + 1) * kBlockQ);
       return std::min(q_end, summary_.key_end[b]);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
@@ -35,6 +36,31 @@ std::vector<int64_t> costliest_first(int64_t n, const Cost& cost) {
   std::vector<int64_t> order(n);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  return order;
+}
+
+// Items 0..n-1 in groups of per_group consecutive items (a (batch, head) and its query blocks):
+// the groups by decreasing total cost, each group's items by decreasing cost (ties in item order).
+// The threads then work on the same group at once and share its data in cache, where
+// costliest_first over all items took one group's item, then another group's, and so on; the last
+// items are still the cheapest of the last group.
+template <typename Cost>
+std::vector<int64_t> costliest_groups_first(int64_t n, int64_t per_group, const Cost& cost) {
+  TORCH_CHECK(per_group > 0, "costliest_groups_first: per_group must be positive; got ", per_group);
+  const int64_t groups = (n + per_group - 1) / per_group;
+  std::vector<int64_t> total(groups, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    total[i / per_group] += cost(i);
+  }
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const int64_t ga = a / per_group, gb = b / per_group;
+    if (ga != gb) {
+      return total[ga] > total[gb] || (total[ga] == total[gb] && ga < gb);
+    }
+    return cost(a) > cost(b);
+  });
   return order;
 }
 
