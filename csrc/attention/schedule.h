@@ -30,15 +30,6 @@ void run_items(const std::vector<int64_t>& order, const MakeWorkspace& make_ws, 
   });
 }
 
-// Items 0..n-1 by decreasing cost (ties in item order: the same order on every call).
-template <typename Cost>
-std::vector<int64_t> costliest_first(int64_t n, const Cost& cost) {
-  std::vector<int64_t> order(n);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
-  return order;
-}
-
 // Items 0..n-1 in groups of per_group consecutive items (a (batch, head) and its query blocks):
 // the groups by decreasing total cost, each group's items by decreasing cost (ties in item order).
 // The threads then work on the same group at once and share its data in cache, where
@@ -62,6 +53,12 @@ std::vector<int64_t> costliest_groups_first(int64_t n, int64_t per_group, const 
     return cost(a) > cost(b);
   });
   return order;
+}
+
+// Items 0..n-1 by decreasing cost (ties in item order: the same order on every call): groups of one.
+template <typename Cost>
+std::vector<int64_t> costliest_first(int64_t n, const Cost& cost) {
+  return costliest_groups_first(n, 1, cost);
 }
 
 }  // namespace causal_attention::kernels

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -58,7 +57,7 @@ from . import _ops
 from .cache import KVCache
 from .module import CausalSelfAttention
 from .reference import attention_core
-from .timing import interleaved_medians, interleaved_times, paired_ratio
+from .timing import interleaved_medians, interleaved_times, medians, paired_ratio
 
 # Materialising B*H*T*T scores (reference, nn.MultiheadAttention) past this length costs many GB.
 MATERIALISING_MAX_T = 2048
@@ -290,7 +289,7 @@ def decode_rows(*, B: int = 8, ctx: int = 2048, dim: int = 768, H: int = 12,
     fns["copy"] = lambda: dst.copy_(src)
     with torch.no_grad():
         times = interleaved_times(fns, repeats=repeats, warmup=2)
-    t = {name: statistics.median(ts) for name, ts in times.items()}
+    t = medians(times)
     copy_bytes = 2 * src.numel() * 4  # read + write
     copy_gbs = copy_bytes / t["copy"] / 1e9
     kinds = (("layer", "decode step: whole layer", dtypes), ("op", "decode step: attention op", dtypes),
@@ -299,9 +298,8 @@ def decode_rows(*, B: int = 8, ctx: int = 2048, dim: int = 768, H: int = 12,
         for dtype in kind_dtypes:
             kv_bytes = 2 * B * H * ctx * hd * dtype.itemsize
             # The layer's weights and the K and V rows it writes (2 B dim values); the read-only
-            # ceiling reads the weights and one more (unused) cache position per head instead.
-            extra = {"layer": (4 * dim * dim + 4 * dim) + 2 * B * dim, "read": (4 * dim * dim + 4 * dim) + 2 * B * H * hd}
-            layer_bytes = extra.get(kind, 0) * dtype.itemsize
+            # ceiling reads the weights and, instead, the cache's one spare position (as many values).
+            layer_bytes = ((4 * dim * dim + 4 * dim) + 2 * B * dim) * dtype.itemsize if kind != "op" else 0
             ms = t[f"{kind} {_name(dtype)}"]
             gbs = kv_bytes / ms / 1e9
             all_gbs = (kv_bytes + layer_bytes) / ms / 1e9
@@ -455,8 +453,8 @@ def bf16_speedup(B: int, T: int, H: int, hd: int, *, repeats: int, generator: to
 
     times = interleaved_times({"float32": step(torch.float32), "bfloat16": step(torch.bfloat16)}, repeats=repeats,
                               warmup=1)
-    return {"T": T, "float32_ms": statistics.median(times["float32"]) * 1e3,
-            "bfloat16_ms": statistics.median(times["bfloat16"]) * 1e3,
+    t = medians(times)
+    return {"T": T, "float32_ms": t["float32"] * 1e3, "bfloat16_ms": t["bfloat16"] * 1e3,
             "speedup": paired_ratio(times, "float32", "bfloat16")}
 
 
@@ -479,8 +477,8 @@ def thread_scaling(B: int, T: int, H: int, hd: int, threads: int, *, repeats: in
         times = interleaved_times({"1": on(1), str(threads): on(threads)}, repeats=repeats, warmup=1)
     finally:
         torch.set_num_threads(threads)
-    return {"T": T, "threads": threads, "one_thread_ms": statistics.median(times["1"]) * 1e3,
-            "all_threads_ms": statistics.median(times[str(threads)]) * 1e3,
+    t = medians(times)
+    return {"T": T, "threads": threads, "one_thread_ms": t["1"] * 1e3, "all_threads_ms": t[str(threads)] * 1e3,
             "speedup": paired_ratio(times, "1", str(threads))}
 
 

@@ -42,7 +42,11 @@ def interleaved_medians(
     after_call: Callable[[], object] | None = None,
 ) -> dict[str, float]:
     """Median wall time in seconds of each function over interleaved_times' rounds."""
-    times = interleaved_times(fns, repeats=repeats, warmup=warmup, after_call=after_call)
+    return medians(interleaved_times(fns, repeats=repeats, warmup=warmup, after_call=after_call))
+
+
+def medians(times: Mapping[str, list[float]]) -> dict[str, float]:
+    """The median of each function's rounds (interleaved_times' result)."""
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
