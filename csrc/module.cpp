@@ -71,6 +71,20 @@ void CausalSelfAttentionImpl::check_x(const at::Tensor& x) const {
                    x.scalar_type());
 }
 
+bool CausalSelfAttentionImpl::decode_layer_applies(const at::Tensor& x) const {
+  // Where both projections would take few_rows_linear's engine path (as Python's _decode_layer).
+  if (x.size(0) * x.size(1) > kFewRows || at::GradMode::is_enabled() || !x.device().is_cpu() ||
+      at::autocast::is_autocast_enabled(at::kCPU)) {
+    return false;
+  }
+  for (const auto& param : parameters()) {
+    if (param.scalar_type() != x.scalar_type() || !param.device().is_cpu()) {
+      return false;
+    }
+  }
+  return true;
+}
+
 KVCache CausalSelfAttentionImpl::make_cache(int64_t batch_size, int64_t max_len) const {
   return KVCache(batch_size, n_heads_, head_dim(), max_len, qkv->weight.options());
 }
@@ -91,6 +105,13 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, const std::opti
   const auto mask = normalize_key_padding_mask(key_padding_mask, x);  // (B, t) bool or none
   const auto start = cache.lengths;                                    // (B,)
   const auto end = cache_end(start, mask, x.size(1), cache.max_len());  // (B,), checked
+  if (decode_layer_applies(x)) {  // the steps below fused, the same bits (kernels::decode_layer_cpu)
+    const auto optional = [](const at::Tensor& b) { return b.defined() ? std::optional<at::Tensor>(b) : std::nullopt; };
+    auto out = kernels::decode_layer_cpu(x, qkv->weight, optional(qkv->bias), proj->weight, optional(proj->bias),
+                                         cache.k, cache.v, start, end, n_heads_);
+    cache.lengths.copy_(end);
+    return out;
+  }
   const auto qkv_out = few_rows_linear(x, qkv->weight, qkv->bias);  // (B, t, 3 * dim)
   kernels::kv_cache_write_cpu(qkv_out, cache.k, cache.v, start, end, n_heads_);
   const auto heads = kernels::decode_attention_cpu(qkv_out, cache.k, cache.v, start, end, n_heads_);  // (B, t, dim)

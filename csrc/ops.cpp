@@ -6,6 +6,9 @@
 //   dropout_keep_mask(seed, B, H, T, dropout_p) -> keep (B, H, T, T) bool   the kernels' dropout decisions
 //   kv_cache_write(qkv, k_cache!, v_cache!, start, end, n_heads)    generation: static KV cache
 //   decode_attention(qkv, k_cache, v_cache, start, end, n_heads) -> out
+//   decode_layer(x, qkv_weight, qkv_bias, proj_weight, proj_bias, k_cache!, v_cache!, start, end, n_heads) -> out
+//                                        a whole decode step: the four ops above and below fused
+//   few_rows_linear(x, weight, bias) -> y                              a decode step's linear layers
 //   mask_to_bool(key_padding_mask) -> mask                              checks an integer mask's values
 //   cache_end(lengths, key_padding_mask, new_tokens, max_len) -> end    checks a cache step
 //
@@ -157,6 +160,13 @@ at::Tensor few_rows_linear_meta(const at::Tensor& x, const at::Tensor& weight, c
   return at::empty_symint(sizes, x.options());
 }
 
+at::Tensor decode_layer_meta(const at::Tensor& x, const at::Tensor& /*qkv_weight*/, const OptionalTensor& /*qkv_bias*/,
+                             const at::Tensor& /*proj_weight*/, const OptionalTensor& /*proj_bias*/,
+                             const at::Tensor& /*k_cache*/, const at::Tensor& /*v_cache*/, const at::Tensor& /*start*/,
+                             const at::Tensor& /*end*/, int64_t /*n_heads*/) {
+  return at::empty_symint(x.sym_sizes(), x.options());
+}
+
 at::Tensor mask_to_bool_meta(const at::Tensor& key_padding_mask) {
   return at::empty_symint(key_padding_mask.sym_sizes(), key_padding_mask.options().dtype(at::kBool));
 }
@@ -186,6 +196,9 @@ TORCH_LIBRARY(causal_attention, m) {
   m.def(
       "decode_attention(Tensor qkv, Tensor k_cache, Tensor v_cache, Tensor start, Tensor end, int n_heads) -> "
       "Tensor");
+  m.def(
+      "decode_layer(Tensor x, Tensor qkv_weight, Tensor? qkv_bias, Tensor proj_weight, Tensor? proj_bias, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, Tensor end, int n_heads) -> Tensor");
   m.def("mask_to_bool(Tensor key_padding_mask) -> Tensor");
   m.def("cache_end(Tensor lengths, Tensor? key_padding_mask, int new_tokens, int max_len) -> Tensor");
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
@@ -198,6 +211,7 @@ TORCH_LIBRARY_IMPL(causal_attention, Autograd, m) {
   m.impl("attention_forward", torch::autograd::autogradNotImplementedFallback());
   m.impl("attention_backward", torch::autograd::autogradNotImplementedFallback());
   m.impl("few_rows_linear", torch::autograd::autogradNotImplementedFallback());  // inference only
+  m.impl("decode_layer", torch::autograd::autogradNotImplementedFallback());     // inference only
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, CompositeExplicitAutograd, m) {
@@ -216,6 +230,7 @@ TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {
   m.impl("mask_to_bool", &mask_to_bool_meta);
   m.impl("cache_end", &cache_end_meta);
   m.impl("few_rows_linear", &few_rows_linear_meta);
+  m.impl("decode_layer", &decode_layer_meta);
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
@@ -225,6 +240,7 @@ TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
   m.impl("kv_cache_write", &kernels::kv_cache_write_cpu);
   m.impl("decode_attention", &kernels::decode_attention_cpu);
   m.impl("few_rows_linear", &kernels::few_rows_linear_cpu);
+  m.impl("decode_layer", &kernels::decode_layer_cpu);
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, CatchAll, m) {

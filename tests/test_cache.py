@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from causal_attention import CausalSelfAttention, KVCache, backends
 from causal_attention.gpt import GPTConfig, TinyGPT
@@ -236,6 +237,104 @@ def test_decode_step_compiles_once():
                 assert rel_err(y, y_eager) <= 1e-5
     assert torch.equal(cache.lengths, eager_cache.lengths)
     assert cache.lengths.tolist() == [11, 8, 10]
+
+
+ops = torch.ops.causal_attention
+
+
+def _decode_layer_inputs(B: int, t: int, H: int, hd: int, ctx: int, dtype: torch.dtype, bias: bool):  # type: ignore[no-untyped-def]
+    """A layer's weights, a ragged cache (contexts in [0, ctx], some new tokens padding) and x."""
+    dim = H * hd
+    attn = CausalSelfAttention(dim, H, bias=bias, dtype=dtype)
+    x = torch.randn(B, t, dim).to(dtype)
+    k, v = torch.randn(B, H, ctx + t, hd).to(dtype), torch.randn(B, H, ctx + t, hd).to(dtype)
+    start = torch.randint(0, ctx + 1, (B,))
+    end = start + torch.randint(0, t + 1, (B,))
+    return attn, x, k, v, start, end
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16],
+                         ids=["f64", "f32", "bf16", "f16"])
+@pytest.mark.parametrize("B, t, H, hd, ctx", [(4, 1, 12, 64, 1025), (1, 1, 2, 8, 1), (3, 2, 2, 48, 113),
+                                               (2, 4, 1, 80, 7), (8, 1, 3, 64, 0)])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_decode_layer_equals_the_four_ops_in_turn(dtype, B, t, H, hd, ctx, bias):
+    """The fused decode step: output and cache bit for bit those of few_rows_linear (qkv),
+    kv_cache_write, decode_attention and few_rows_linear (proj), one after the other."""
+    attn, x, k, v, start, end = _decode_layer_inputs(B, t, H, hd, ctx, dtype, bias)
+    w, b, pw, pb = attn.qkv.weight, attn.qkv.bias, attn.proj.weight, attn.proj.bias
+    with torch.no_grad():
+        k1, v1 = k.clone(), v.clone()
+        qkv = ops.few_rows_linear(x, w, b)
+        ops.kv_cache_write(qkv, k1, v1, start, end, H)
+        expected = ops.few_rows_linear(ops.decode_attention(qkv, k1, v1, start, end, H), pw, pb)
+        k2, v2 = k.clone(), v.clone()
+        out = ops.decode_layer(x, w, b, pw, pb, k2, v2, start, end, H)
+    assert out.dtype == dtype and out.shape == (B, t, H * hd)
+    assert torch.equal(out, expected)
+    assert torch.equal(k2, k1) and torch.equal(v2, v1)
+    assert not torch.equal(k2, k) or bool((end == start).all())  # the new keys were written
+
+
+class _OpLog(TorchDispatchMode):
+    """The names of the ops dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_modules_decode_step_is_the_fused_op_and_a_prefill_is_not():
+    """A cached step of few rows (B * t <= FEW_ROWS, no autograd, the engine's backend) runs one
+    decode_layer op, and gives a fresh layer's full forward; more rows take the ops one by one."""
+    attn = CausalSelfAttention(32, 4, dtype=torch.float64)
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    with torch.no_grad():
+        full = attn(x)
+        cache = attn.make_cache(2, 12)
+        with _OpLog() as prefill:
+            attn(x[:, :8], cache=cache)  # 16 rows
+        with _OpLog() as step:
+            y = attn(x[:, 8:], cache=cache)  # 2 rows
+    assert "causal_attention.decode_layer.default" not in prefill.names
+    assert "causal_attention.decode_attention.default" in prefill.names
+    assert step.names.count("causal_attention.decode_layer.default") == 1
+    assert "causal_attention.decode_attention.default" not in step.names
+    assert rel_err(y, full[:, 8:]) <= 1e-12
+    assert cache.lengths.tolist() == [9, 9]
+
+
+def test_decode_layer_errors_name_the_argument():
+    attn, x, k, v, start, end = _decode_layer_inputs(2, 1, 2, 8, 5, torch.float32, True)
+    w, b, pw, pb = attn.qkv.weight.detach(), attn.qkv.bias.detach(), attn.proj.weight.detach(), attn.proj.bias.detach()
+    with pytest.raises(ValueError, match=r"qkv_weight must have shape \[48, 16\]"):
+        ops.decode_layer(x, w.t(), b, pw, pb, k, v, start, end, 2)
+    with pytest.raises(TypeError, match=r"proj_bias dtype \(Double\) must match x's \(Float\)"):
+        ops.decode_layer(x, w, b, pw, pb.double(), k, v, start, end, 2)
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        full = torch.full((2,), 6)
+        ops.decode_layer(x, w, b, pw, pb, k, v, full, full + 1, 2)
+    out = ops.decode_layer(x, w.requires_grad_(), b, pw, pb, k, v, start, end, 2)  # inference only
+    with pytest.raises(RuntimeError, match="derivative for causal_attention::decode_layer is not implemented"):
+        out.sum().backward()
+
+
+def test_decode_layer_compiles_and_writes_the_cache():
+    """torch.compile of the op (its meta kernel; the caches mutated in place) gives the eager bits."""
+    attn, x, k, v, start, end = _decode_layer_inputs(3, 1, 4, 8, 20, torch.float32, True)
+    params = [p.detach() for p in (attn.qkv.weight, attn.qkv.bias, attn.proj.weight, attn.proj.bias)]
+    torch._dynamo.reset()
+    step = torch.compile(lambda x, k, v: ops.decode_layer(x, *params, k, v, start, end, 4), fullgraph=True)
+    k1, v1, k2, v2 = k.clone(), v.clone(), k.clone(), v.clone()
+    with torch.no_grad():
+        eager = ops.decode_layer(x, *params, k1, v1, start, end, 4)
+        compiled = step(x, k2, v2)
+    assert torch.equal(compiled, eager)
+    assert torch.equal(k2, k1) and torch.equal(v2, v1)
 
 
 def _tiny_gpt(seed: int = 0) -> TinyGPT:

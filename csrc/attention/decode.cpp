@@ -14,13 +14,16 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
 #include "causal_attention/attention.h"
 #include "blas.h"
+#include "linear.h"
 #include "schedule.h"
 #include "tile_ops.h"
 #include "tile_products.h"
@@ -60,6 +63,43 @@ void check_cache(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Ten
   TORCH_CHECK_VALUE(end.device() == qkv.device(), "cache ends must be on the input's device (", qkv.device(), ")");
 }
 
+// Writes the keys and values of the real new tokens of a contiguous qkv (B, t, 3 * dim) into the
+// cache, one (batch, head) at a time.
+template <typename scalar_t>
+class CacheRows {
+ public:
+  CacheRows(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* start,
+            const int64_t* end, int64_t n_heads)
+      : src_(qkv.const_data_ptr<scalar_t>()),
+        k_(k_cache.data_ptr<scalar_t>()),
+        v_(v_cache.data_ptr<scalar_t>()),
+        start_(start),
+        end_(end),
+        t_(qkv.size(1)),
+        dim_(qkv.size(2) / 3),
+        H_(n_heads),
+        hd_(dim_ / n_heads),
+        max_len_(k_cache.size(2)) {}
+
+  // Sequence b's new tokens start[b] .. end[b] - 1 (the real ones only) of head h.
+  void write(int64_t b, int64_t h) const {
+    for (int64_t i = 0; i < end_[b] - start_[b]; ++i) {
+      const scalar_t* row = src_ + (b * t_ + i) * 3 * dim_;
+      const int64_t pos = ((b * H_ + h) * max_len_ + start_[b] + i) * hd_;
+      std::copy(row + dim_ + h * hd_, row + dim_ + (h + 1) * hd_, k_ + pos);
+      std::copy(row + 2 * dim_ + h * hd_, row + 2 * dim_ + (h + 1) * hd_, v_ + pos);
+    }
+  }
+
+ private:
+  const scalar_t* src_;
+  scalar_t* k_;
+  scalar_t* v_;
+  const int64_t* start_;
+  const int64_t* end_;
+  const int64_t t_, dim_, H_, hd_, max_len_;
+};
+
 }  // namespace
 
 void kv_cache_write_cpu(const at::Tensor& qkv_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -68,24 +108,15 @@ void kv_cache_write_cpu(const at::Tensor& qkv_in, const at::Tensor& k_cache, con
   const auto qkv = qkv_in.contiguous();
   const auto start = start_in.contiguous();
   const auto end = end_in.contiguous();
-  const int64_t B = qkv.size(0), t = qkv.size(1), dim = qkv.size(2) / 3, hd = dim / n_heads;
-  const int64_t max_len = k_cache.size(2);
-  check_cache_positions(start, end, t, max_len);
+  const int64_t B = qkv.size(0), t = qkv.size(1);
+  check_cache_positions(start, end, t, k_cache.size(2));
   const int64_t* start_ptr = start.data_ptr<int64_t>();
   const int64_t* end_ptr = end.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "kv_cache_write", [&] {
-    const scalar_t* src = qkv.data_ptr<scalar_t>();
-    scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const CacheRows<scalar_t> rows(qkv, k_cache, v_cache, start_ptr, end_ptr, n_heads);
     at::parallel_for(0, B * n_heads, 1, [&](int64_t begin, int64_t end_bh) {
       for (int64_t bh = begin; bh < end_bh; ++bh) {
-        const int64_t b = bh / n_heads, h = bh % n_heads;
-        for (int64_t i = 0; i < end_ptr[b] - start_ptr[b]; ++i) {  // the real new tokens only
-          const scalar_t* row = src + (b * t + i) * 3 * dim;
-          const int64_t pos = (bh * max_len + start_ptr[b] + i) * hd;
-          std::copy(row + dim + h * hd, row + dim + (h + 1) * hd, kc + pos);
-          std::copy(row + 2 * dim + h * hd, row + 2 * dim + (h + 1) * hd, vc + pos);
-        }
+        rows.write(bh / n_heads, bh % n_heads);
       }
     });
   });
@@ -143,15 +174,18 @@ class DecodePass {
   void run(const at::Tensor& out) {
     // Items taken one at a time, the longest contexts first: a thread that streams slower (a busy
     // core of a shared machine) takes fewer, where a static split left the other waiting at the end.
-    const auto order = costliest_first(B_ * H_ * n_split_, [&](int64_t item) { return end_[item / n_split_ / H_]; });
+    const auto order = costliest_first(items(), [&](int64_t item) { return cost_of(item); });
     run_items(
         order, [&] { return DecodeWorkspace<scalar_t>(hd_); },
         [&](int64_t item, DecodeWorkspace<scalar_t>& ws) { split(item, ws); });
     merge(out.data_ptr<scalar_t>());
   }
 
- private:
-  acc_t* state(int64_t item) { return partial_.data() + item * t_ * (hd_ + 2); }
+  // The work items, (batch, head, split) numbered as ((b * H) + h) * splits + split, and the
+  // cost of each (its sequence's context).
+  int64_t items() const { return B_ * H_ * n_split_; }
+  int64_t head_of(int64_t item) const { return item / n_split_ % H_; }
+  int64_t cost_of(int64_t item) const { return end_[item / n_split_ / H_]; }
 
   // Work item (batch, head, split): the split's share of the context, in whole chunks, into its
   // partial softmax state.
@@ -177,6 +211,42 @@ class DecodePass {
     }
   }
 
+  // The splits of each (batch, head) merged: out = sum_s O_s e^(m_s - M) / sum_s l_s e^(m_s - M).
+  // After every item's split().
+  void merge(scalar_t* out) {
+    at::parallel_for(0, B_ * H_, 1, [&](int64_t begin, int64_t end_bh) {
+      std::vector<acc_t> merged(hd_);
+      for (int64_t bh = begin; bh < end_bh; ++bh) {
+        const int64_t b = bh / H_, h = bh % H_;
+        for (int64_t i = 0; i < t_; ++i) {
+          acc_t top = -std::numeric_limits<acc_t>::infinity();
+          for (int64_t sp = 0; sp < n_split_; ++sp) {
+            top = std::max(top, state(bh * n_split_ + sp)[t_ * hd_ + i]);
+          }
+          scalar_t* row = out + (b * t_ + i) * dim_ + h * hd_;
+          if (top == -std::numeric_limits<acc_t>::infinity()) {  // no visible key: output 0
+            std::fill(row, row + hd_, scalar_t(0));
+            continue;
+          }
+          std::fill(merged.begin(), merged.end(), acc_t(0));
+          acc_t total = 0;
+          for (int64_t sp = 0; sp < n_split_; ++sp) {
+            const acc_t* base = state(bh * n_split_ + sp);
+            const acc_t w = std::exp(base[t_ * hd_ + i] - top);  // 0 for a split that saw no key
+            total += base[t_ * hd_ + t_ + i] * w;
+            for (int64_t d = 0; d < hd_; ++d) {
+              merged[d] += base[i * hd_ + d] * w;
+            }
+          }
+          for (int64_t d = 0; d < hd_; ++d) {
+            row[d] = static_cast<scalar_t>(merged[d] / total);
+          }
+        }
+      }
+    });
+  }
+
+ private:
   // A few queries: stream each cached key and value row once per query (memory bound).
   void few_rows(int64_t b, const scalar_t* q, const scalar_t* keys, const scalar_t* values, int64_t ks, int64_t ke,
                 acc_t* o, acc_t* m, acc_t* l, DecodeWorkspace<scalar_t>& ws) const {
@@ -215,39 +285,8 @@ class DecodePass {
     }
   }
 
-  // The splits of each (batch, head) merged: out = sum_s O_s e^(m_s - M) / sum_s l_s e^(m_s - M).
-  void merge(scalar_t* out) {
-    at::parallel_for(0, B_ * H_, 1, [&](int64_t begin, int64_t end_bh) {
-      std::vector<acc_t> merged(hd_);
-      for (int64_t bh = begin; bh < end_bh; ++bh) {
-        const int64_t b = bh / H_, h = bh % H_;
-        for (int64_t i = 0; i < t_; ++i) {
-          acc_t top = -std::numeric_limits<acc_t>::infinity();
-          for (int64_t sp = 0; sp < n_split_; ++sp) {
-            top = std::max(top, state(bh * n_split_ + sp)[t_ * hd_ + i]);
-          }
-          scalar_t* row = out + (b * t_ + i) * dim_ + h * hd_;
-          if (top == -std::numeric_limits<acc_t>::infinity()) {  // no visible key: output 0
-            std::fill(row, row + hd_, scalar_t(0));
-            continue;
-          }
-          std::fill(merged.begin(), merged.end(), acc_t(0));
-          acc_t total = 0;
-          for (int64_t sp = 0; sp < n_split_; ++sp) {
-            const acc_t* base = state(bh * n_split_ + sp);
-            const acc_t w = std::exp(base[t_ * hd_ + i] - top);  // 0 for a split that saw no key
-            total += base[t_ * hd_ + t_ + i] * w;
-            for (int64_t d = 0; d < hd_; ++d) {
-              merged[d] += base[i * hd_ + d] * w;
-            }
-          }
-          for (int64_t d = 0; d < hd_; ++d) {
-            row[d] = static_cast<scalar_t>(merged[d] / total);
-          }
-        }
-      }
-    });
-  }
+ private:
+  acc_t* state(int64_t item) { return partial_.data() + item * t_ * (hd_ + 2); }
 
   const int64_t B_, t_, dim_, H_, hd_, max_len_, ld_q_;
   const scalar_t* q_;  // qkv: row t of sequence b at q_ + b * batch_stride_ + t * ld_q_
@@ -281,6 +320,119 @@ at::Tensor decode_attention_cpu(const at::Tensor& qkv_in, const at::Tensor& k_ca
     DecodePass<scalar_t>(qkv, k_cache, v_cache, s, e, n_heads).run(out);
   });
   return out;
+}
+
+namespace {
+
+void check_layer_weights(const at::Tensor& x, const at::Tensor& qkv_weight, const std::optional<at::Tensor>& qkv_bias,
+                         const at::Tensor& proj_weight, const std::optional<at::Tensor>& proj_bias, int64_t n_heads) {
+  TORCH_CHECK_VALUE(n_heads > 0, "decode_layer: n_heads must be positive; got ", n_heads);
+  TORCH_CHECK_VALUE(x.dim() == 3, "decode_layer: x must be 3-D (B, t, dim); got shape ", x.sizes());
+  TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), "decode_layer: x must be a floating-point tensor; got dtype ",
+                   x.scalar_type());
+  const int64_t dim = x.size(2);
+  TORCH_CHECK_VALUE(dim > 0 && dim % n_heads == 0, "decode_layer: x's last dimension (dim, got ", dim,
+                    ") must be a positive multiple of n_heads (got ", n_heads, ")");
+  const auto check = [&](const at::Tensor& t, const char* name, at::IntArrayRef shape) {
+    TORCH_CHECK_VALUE(t.sizes() == shape, "decode_layer: ", name, " must have shape ", shape, " for dim=", dim,
+                      "; got ", t.sizes());
+    TORCH_CHECK_TYPE(t.scalar_type() == x.scalar_type(), "decode_layer: ", name, " dtype (", t.scalar_type(),
+                     ") must match x's (", x.scalar_type(), ")");
+    TORCH_CHECK_VALUE(t.device() == x.device(), "decode_layer: ", name, " must be on x's device (", x.device(),
+                      "); got ", t.device());
+  };
+  check(qkv_weight, "qkv_weight", {3 * dim, dim});
+  check(proj_weight, "proj_weight", {dim, dim});
+  if (qkv_bias.has_value()) {
+    check(*qkv_bias, "qkv_bias", {3 * dim});
+  }
+  if (proj_bias.has_value()) {
+    check(*proj_bias, "proj_bias", {dim});
+  }
+}
+
+}  // namespace
+
+at::Tensor decode_layer_cpu(const at::Tensor& x_in, const at::Tensor& qkv_weight,
+                            const std::optional<at::Tensor>& qkv_bias, const at::Tensor& proj_weight,
+                            const std::optional<at::Tensor>& proj_bias, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& start_in, const at::Tensor& end_in,
+                            int64_t n_heads) {
+  check_layer_weights(x_in, qkv_weight, qkv_bias, proj_weight, proj_bias, n_heads);
+  TORCH_CHECK_VALUE(x_in.device().is_cpu(), "decode_layer takes CPU tensors; got x on ", x_in.device());
+  const int64_t B = x_in.size(0), t = x_in.size(1), dim = x_in.size(2), hd = dim / n_heads;
+  auto qkv = at::empty({B, t, 3 * dim}, x_in.options());  // the projections, head by head
+  check_cache(qkv, k_cache, v_cache, start_in, end_in, n_heads);
+  const auto start = start_in.contiguous();
+  const auto end = end_in.contiguous();
+  check_cache_positions(start, end, t, k_cache.size(2));
+  auto heads = at::empty({B, t, dim}, x_in.options());
+  if (heads.numel() == 0) {
+    return heads;
+  }
+  const int64_t* s = start.data_ptr<int64_t>();
+  const int64_t* e = end.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x_in.scalar_type(), "decode_layer", [&] {
+    const FewRowsProduct<scalar_t> project(x_in.reshape({B * t, dim}), qkv_weight, qkv_bias);
+    const CacheRows<scalar_t> cache_rows(qkv, k_cache, v_cache, s, e, n_heads);
+    DecodePass<scalar_t> pass(qkv, k_cache, v_cache, s, e, n_heads);
+    scalar_t* qkv_ptr = qkv.data_ptr<scalar_t>();
+    // The order: project head 0, project head 1, attend with head 0, project head 2, attend with
+    // head 1, ... (an item < 0 projects head -1 - item). A head's projections are taken an item
+    // before its attention, so that a thread seldom waits for another to finish them.
+    std::vector<std::vector<int64_t>> by_head(n_heads);
+    for (const int64_t item : costliest_first(pass.items(), [&](int64_t i) { return pass.cost_of(i); })) {
+      by_head[pass.head_of(item)].push_back(item);
+    }
+    std::vector<int64_t> order;
+    for (int64_t h = 0; h <= n_heads; ++h) {
+      if (h < n_heads) {
+        order.push_back(-1 - h);
+      }
+      if (h > 0) {
+        order.insert(order.end(), by_head[h - 1].begin(), by_head[h - 1].end());
+      }
+    }
+    std::vector<std::atomic<bool>> projected(n_heads);
+    std::atomic<bool> failed{false};
+    // A thread out of items waits for the others to finish theirs: meanwhile it brings into its L2
+    // the output projection's weight rows that it will stream next (few_rows_linear_cpu's share).
+    const int64_t threads = at::get_num_threads();  // few_rows_linear_cpu's, outside a parallel region
+    const auto when_done = [&] {
+      const auto [o0, o1] = few_rows_share(dim, at::get_thread_num(), threads);
+      FewRowsProduct<scalar_t>::prefetch(proj_weight, o0, o1);
+    };
+    run_items(
+        order, [&] { return DecodeWorkspace<scalar_t>(hd); },
+        [&](int64_t item, DecodeWorkspace<scalar_t>& ws) {
+          if (item < 0) {  // head h's q, k and v, and its keys and values into the cache
+            const int64_t h = -1 - item;
+            try {
+              for (int64_t part = 0; part < 3; ++part) {
+                project(part * dim + h * hd, part * dim + (h + 1) * hd, qkv_ptr, 3 * dim);
+              }
+              for (int64_t b = 0; b < B; ++b) {
+                cache_rows.write(b, h);
+              }
+            } catch (...) {
+              failed.store(true);
+              throw;
+            }
+            projected[h].store(true, std::memory_order_release);
+            return;
+          }
+          // Taken after its head's projection item (order): wait until that is done.
+          const int64_t h = pass.head_of(item);
+          while (!projected[h].load(std::memory_order_acquire)) {
+            TORCH_CHECK(!failed.load(), "decode_layer: the projection of head ", h, " failed");
+            std::this_thread::yield();
+          }
+          pass.split(item, ws);
+        },
+        when_done);
+    pass.merge(heads.data_ptr<scalar_t>());
+  });
+  return few_rows_linear_cpu(heads, proj_weight, proj_bias);
 }
 
 }  // namespace causal_attention::kernels

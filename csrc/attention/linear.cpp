@@ -8,16 +8,14 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <vector>
 
 #include "causal_attention/attention.h"
-#include "tile_ops.h"
+#include "linear.h"
 #include "tile_products.h"
 
 namespace causal_attention::kernels {
 namespace {
 
-constexpr int64_t kOutputBlock = 96;  // output features per work item (a multiple of linear_rows' 3)
 
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK_VALUE(x.dim() >= 1, "few_rows_linear: x must have at least one dimension (..., in); got a scalar");
@@ -53,30 +51,12 @@ at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight_in,
   if (in == 0) {  // an empty sum: the bias, or 0
     return bias_in.has_value() ? y.copy_(bias_in->expand(sizes)) : y.zero_();
   }
-  const auto weight = weight_in.contiguous();
-  const auto bias = bias_in.has_value() ? std::optional<at::Tensor>(bias_in->contiguous()) : std::nullopt;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "few_rows_linear", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* wp = weight.const_data_ptr<scalar_t>();
-    const scalar_t* bp = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
+    const FewRowsProduct<scalar_t> product(x.reshape({rows, in}), weight_in, bias_in);
     scalar_t* yp = y.data_ptr<scalar_t>();
-    const auto& ops = tile::tile_ops<scalar_t>();
-    const auto work_items = [&](const auto& rows_of) {  // rows_of(o0, o1): outputs o0..o1 of every row
-      at::parallel_for(0, ceil_div(out_features, kOutputBlock), 1, [&](int64_t begin, int64_t end) {
-        rows_of(begin * kOutputBlock, std::min(out_features, end * kOutputBlock));
-      });
-    };
-    if (ops.linear_rows_pairs != nullptr) {  // bfloat16 pairs: the rows as they are, contiguous
-      const auto x_rows = x.reshape({rows, in}).contiguous();
-      const scalar_t* xp = x_rows.const_data_ptr<scalar_t>();
-      work_items(
-          [&](int64_t o0, int64_t o1) { ops.linear_rows_pairs(xp, rows, in, wp, bp, o0, o1, yp, out_features); });
-      return;
-    }
-    // The rows in acc_t, contiguous: read by every work item.
-    const auto x_acc = x.reshape({rows, in}).to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
-    const acc_t* xp = x_acc.const_data_ptr<acc_t>();
-    work_items([&](int64_t o0, int64_t o1) { ops.linear_rows(xp, rows, in, wp, bp, o0, o1, yp, out_features); });
+    at::parallel_for(0, ceil_div(out_features, kFewRowsBlock), 1, [&](int64_t begin, int64_t end) {
+      product(begin * kFewRowsBlock, std::min(out_features, end * kFewRowsBlock), yp, out_features);
+    });
   });
   return y;
 }

@@ -190,6 +190,9 @@ class CausalSelfAttention(nn.Module):
             if return_weights:
                 raise ValueError("return_weights is not available with a cache")
             self._check_cache(cache, x, "x")
+            fused = self._decode_layer(x, mask, cache)
+            if fused is not None:
+                return fused
             y = self.attend(few_rows_linear(self.qkv, x), mask, cache=cache)  # (B, t, dim)
             return few_rows_linear(self.proj, y)  # (B, t, dim)
         qkv = self.qkv(x)  # (B, T, 3 * dim)
@@ -216,6 +219,29 @@ class CausalSelfAttention(nn.Module):
         name = backends.select_backend(qkv, self.backend)
         dropout_p = self.dropout if self.training else 0.0
         return backends.RUN[name](qkv, key_padding_mask, self.n_heads, dropout_p)  # (B, T, dim)
+
+    def _decode_layer(self, x: Tensor, mask: Tensor | None, cache: KVCache) -> Tensor | None:
+        """A decode step (x: (B, t, dim) with B * t <= FEW_ROWS) by the engine's fused decode_layer op:
+        the same output and cache, bit for bit, as the qkv projection, the cached attention and the
+        output projection one after the other, where both projections would take few_rows_matmul's
+        engine path and the attention the engine's; None elsewhere (the caller's path). The op
+        overlaps one thread's projections with another's streaming of the cache. Returns (B, t, dim).
+        """
+        if x.shape[0] * x.shape[1] > FEW_ROWS or torch.is_grad_enabled() or _tracing():
+            return None
+        if x.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
+            return None
+        if any(p.dtype != x.dtype or p.device != x.device for p in self.parameters()):
+            return None
+        if backends.select_backend(x, self.backend) != "cpp":
+            return None
+        start = cache.lengths  # (B,) tokens already in the cache
+        end = backends.cache_end(start, mask, x.shape[1], cache.max_len)  # (B,), checked: right padding, room
+        y = torch.ops.causal_attention.decode_layer(
+            x, self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias, cache.k, cache.v, start, end, self.n_heads
+        )
+        cache.lengths.copy_(end)
+        return y
 
     def _check_cache(self, cache: KVCache, x: Tensor, x_name: str) -> None:
         if not isinstance(cache, KVCache):

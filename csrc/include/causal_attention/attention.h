@@ -118,6 +118,17 @@ void kv_cache_write_cpu(const at::Tensor& qkv, const at::Tensor& k_cache, const 
 at::Tensor decode_attention_cpu(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& start, const at::Tensor& end, int64_t n_heads);
 
+// A decode step of the whole layer in one pass: proj(decode_attention(qkv)) with qkv = x (B, t, dim)
+// @ qkv_weight^T (+ qkv_bias), its new keys and values written into the cache as kv_cache_write
+// writes them; the same values, bit for bit, as those four ops one after the other (the linear
+// layers as few_rows_linear_cpu). The projections are computed head by head inside the attention's
+// parallel pass, so that one thread's projection (compute bound at a few rows) overlaps the other's
+// streaming of the cache. Biases are optional; no autograd.
+at::Tensor decode_layer_cpu(const at::Tensor& x, const at::Tensor& qkv_weight, const std::optional<at::Tensor>& qkv_bias,
+                            const at::Tensor& proj_weight, const std::optional<at::Tensor>& proj_bias,
+                            const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& start,
+                            const at::Tensor& end, int64_t n_heads);
+
 // x (..., in) @ weight^T (+ bias) -> (..., out) for the few rows of a decode step, streaming the weight
 // (out, in) from memory once; sums in float32 for bfloat16/half (float64 for float64), one rounding.
 // Any number of rows is computed, but BLAS is faster past a handful (kFewRows, module.h). No autograd.

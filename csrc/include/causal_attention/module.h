@@ -73,6 +73,9 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
 
  private:
   void check_x(const at::Tensor& x) const;
+  // Whether a cached step on x runs as kernels::decode_layer_cpu (a few rows, no autograd, the
+  // parameters in x's dtype on the CPU).
+  bool decode_layer_applies(const at::Tensor& x) const;
 
   int64_t dim_;
   int64_t n_heads_;
