@@ -239,6 +239,29 @@ def test_decode_step_compiles_once():
     assert cache.lengths.tolist() == [11, 8, 10]
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["f64", "f32", "bf16"])
+def test_decode_kernel_long_contexts_span_several_streamed_chunks(dtype):
+    """Contexts longer than one decode_chunk call (512 KB of keys and values: 1365 keys of 24 in
+    float64, 1024 of 64 in float32, 2048 in bfloat16) and not split (B * H >= 64): the running
+    softmax carried across calls, against the plain-torch path in float64."""
+    B, H = 8, 8
+    hd, L = (24, 3000) if dtype == torch.float64 else (64, 4200)
+    qkv = torch.randn(B, 1, 3 * H * hd, dtype=torch.float64)
+    start = torch.tensor([L - 1, 2 * L // 3, 1030, 2049, 1023, 1, 0, L // 2])
+    end = start + 1
+    k, v = torch.randn(B, H, L, hd, dtype=torch.float64), torch.randn(B, H, L, hd, dtype=torch.float64)
+    exact = backends.cached_attention_torch(qkv, KVCache(k.clone(), v.clone(), start.clone()), start, end, H)
+    kc, vc = k.to(dtype), v.to(dtype)
+    ops.kv_cache_write(qkv.to(dtype), kc, vc, start, end, H)
+    ours = ops.decode_attention(qkv.to(dtype), kc, vc, start, end, H).double()
+    rounded = backends.cached_attention_torch(  # the same inputs rounded to dtype, computed in float64
+        qkv.to(dtype).double(), KVCache(k.to(dtype).double(), v.to(dtype).double(), start.clone()), start, end, H
+    )
+    # Measured: 1.6e-16, 6e-8 and 2.3e-3 against both (bfloat16: P and the sums' roundings).
+    assert rel_err(ours, rounded) <= {torch.float64: 1e-14, torch.float32: 5e-7, torch.bfloat16: 1e-2}[dtype]
+    assert rel_err(ours, exact) <= {torch.float64: 1e-14, torch.float32: 5e-7, torch.bfloat16: 1e-2}[dtype]
+
+
 ops = torch.ops.causal_attention
 
 
