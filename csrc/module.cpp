@@ -103,15 +103,13 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, const std::opti
     }
   }
   const auto mask = normalize_key_padding_mask(key_padding_mask, x);  // (B, t) bool or none
-  const auto start = cache.lengths;                                    // (B,)
-  const auto end = cache_end(start, mask, x.size(1), cache.max_len());  // (B,), checked
   if (decode_layer_applies(x)) {  // the steps below fused, the same bits (kernels::decode_layer_cpu)
     const auto optional = [](const at::Tensor& b) { return b.defined() ? std::optional<at::Tensor>(b) : std::nullopt; };
-    auto out = kernels::decode_layer_cpu(x, qkv->weight, optional(qkv->bias), proj->weight, optional(proj->bias),
-                                         cache.k, cache.v, start, end, n_heads_);
-    cache.lengths.copy_(end);
-    return out;
+    return kernels::decode_layer_cpu(x, qkv->weight, optional(qkv->bias), proj->weight, optional(proj->bias), cache.k,
+                                     cache.v, cache.lengths, mask, n_heads_);
   }
+  const auto start = cache.lengths;                                    // (B,)
+  const auto end = cache_end(start, mask, x.size(1), cache.max_len());  // (B,), checked
   const auto qkv_out = few_rows_linear(x, qkv->weight, qkv->bias);  // (B, t, 3 * dim)
   kernels::kv_cache_write_cpu(qkv_out, cache.k, cache.v, start, end, n_heads_);
   const auto heads = kernels::decode_attention_cpu(qkv_out, cache.k, cache.v, start, end, n_heads_);  // (B, t, dim)

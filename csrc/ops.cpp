@@ -6,8 +6,8 @@
 //   dropout_keep_mask(seed, B, H, T, dropout_p) -> keep (B, H, T, T) bool   the kernels' dropout decisions
 //   kv_cache_write(qkv, k_cache!, v_cache!, start, end, n_heads)    generation: static KV cache
 //   decode_attention(qkv, k_cache, v_cache, start, end, n_heads) -> out
-//   decode_layer(x, qkv_weight, qkv_bias, proj_weight, proj_bias, k_cache!, v_cache!, start, end, n_heads) -> out
-//                                        a whole decode step: the four ops above and below fused
+//   decode_layer(x, qkv_weight, qkv_bias, proj_weight, proj_bias, k_cache!, v_cache!, lengths!, key_padding_mask,
+//                n_heads) -> out      a whole decode step of the layer: cache_end, the ops above and below, fused
 //   few_rows_linear(x, weight, bias) -> y                              a decode step's linear layers
 //   mask_to_bool(key_padding_mask) -> mask                              checks an integer mask's values
 //   cache_end(lengths, key_padding_mask, new_tokens, max_len) -> end    checks a cache step
@@ -162,8 +162,8 @@ at::Tensor few_rows_linear_meta(const at::Tensor& x, const at::Tensor& weight, c
 
 at::Tensor decode_layer_meta(const at::Tensor& x, const at::Tensor& /*qkv_weight*/, const OptionalTensor& /*qkv_bias*/,
                              const at::Tensor& /*proj_weight*/, const OptionalTensor& /*proj_bias*/,
-                             const at::Tensor& /*k_cache*/, const at::Tensor& /*v_cache*/, const at::Tensor& /*start*/,
-                             const at::Tensor& /*end*/, int64_t /*n_heads*/) {
+                             const at::Tensor& /*k_cache*/, const at::Tensor& /*v_cache*/, const at::Tensor& /*lengths*/,
+                             const OptionalTensor& /*key_padding_mask*/, int64_t /*n_heads*/) {
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
@@ -198,7 +198,8 @@ TORCH_LIBRARY(causal_attention, m) {
       "Tensor");
   m.def(
       "decode_layer(Tensor x, Tensor qkv_weight, Tensor? qkv_bias, Tensor proj_weight, Tensor? proj_bias, "
-      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, Tensor end, int n_heads) -> Tensor");
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) lengths, Tensor? key_padding_mask, int n_heads) -> "
+      "Tensor");
   m.def("mask_to_bool(Tensor key_padding_mask) -> Tensor");
   m.def("cache_end(Tensor lengths, Tensor? key_padding_mask, int new_tokens, int max_len) -> Tensor");
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");

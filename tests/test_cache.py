@@ -266,14 +266,14 @@ ops = torch.ops.causal_attention
 
 
 def _decode_layer_inputs(B: int, t: int, H: int, hd: int, ctx: int, dtype: torch.dtype, bias: bool):  # type: ignore[no-untyped-def]
-    """A layer's weights, a ragged cache (contexts in [0, ctx], some new tokens padding) and x."""
+    """A layer's weights, a ragged cache (contexts in [0, ctx]), x, and a right-padding mask (B, t)."""
     dim = H * hd
     attn = CausalSelfAttention(dim, H, bias=bias, dtype=dtype)
     x = torch.randn(B, t, dim).to(dtype)
     k, v = torch.randn(B, H, ctx + t, hd).to(dtype), torch.randn(B, H, ctx + t, hd).to(dtype)
-    start = torch.randint(0, ctx + 1, (B,))
-    end = start + torch.randint(0, t + 1, (B,))
-    return attn, x, k, v, start, end
+    lengths = torch.randint(0, ctx + 1, (B,))
+    mask = torch.arange(t)[None, :] < torch.randint(0, t + 1, (B, 1))
+    return attn, x, k, v, lengths, mask
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16],
@@ -281,22 +281,26 @@ def _decode_layer_inputs(B: int, t: int, H: int, hd: int, ctx: int, dtype: torch
 @pytest.mark.parametrize("B, t, H, hd, ctx", [(4, 1, 12, 64, 1025), (1, 1, 2, 8, 1), (3, 2, 2, 48, 113),
                                                (2, 4, 1, 80, 7), (8, 1, 3, 64, 0)])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
-def test_decode_layer_equals_the_four_ops_in_turn(dtype, B, t, H, hd, ctx, bias):
-    """The fused decode step: output and cache bit for bit those of few_rows_linear (qkv),
-    kv_cache_write, decode_attention and few_rows_linear (proj), one after the other."""
-    attn, x, k, v, start, end = _decode_layer_inputs(B, t, H, hd, ctx, dtype, bias)
+@pytest.mark.parametrize("masked", [True, False], ids=["mask", "no_mask"])
+def test_decode_layer_equals_the_ops_in_turn(dtype, B, t, H, hd, ctx, bias, masked):
+    """The fused decode step: output, cache and lengths bit for bit those of cache_end,
+    few_rows_linear (qkv), kv_cache_write, decode_attention and few_rows_linear (proj) in turn."""
+    attn, x, k, v, lengths, mask = _decode_layer_inputs(B, t, H, hd, ctx, dtype, bias)
+    mask = mask if masked else None
     w, b, pw, pb = attn.qkv.weight, attn.qkv.bias, attn.proj.weight, attn.proj.bias
     with torch.no_grad():
         k1, v1 = k.clone(), v.clone()
+        end = ops.cache_end(lengths, mask, t, ctx + t)
         qkv = ops.few_rows_linear(x, w, b)
-        ops.kv_cache_write(qkv, k1, v1, start, end, H)
-        expected = ops.few_rows_linear(ops.decode_attention(qkv, k1, v1, start, end, H), pw, pb)
-        k2, v2 = k.clone(), v.clone()
-        out = ops.decode_layer(x, w, b, pw, pb, k2, v2, start, end, H)
+        ops.kv_cache_write(qkv, k1, v1, lengths, end, H)
+        expected = ops.few_rows_linear(ops.decode_attention(qkv, k1, v1, lengths, end, H), pw, pb)
+        k2, v2, lengths2 = k.clone(), v.clone(), lengths.clone()
+        out = ops.decode_layer(x, w, b, pw, pb, k2, v2, lengths2, mask, H)
     assert out.dtype == dtype and out.shape == (B, t, H * hd)
     assert torch.equal(out, expected)
     assert torch.equal(k2, k1) and torch.equal(v2, v1)
-    assert not torch.equal(k2, k) or bool((end == start).all())  # the new keys were written
+    assert torch.equal(lengths2, end)
+    assert not torch.equal(k2, k) or bool((end == lengths).all())  # the new keys were written
 
 
 class _OpLog(TorchDispatchMode):
@@ -331,33 +335,39 @@ def test_the_modules_decode_step_is_the_fused_op_and_a_prefill_is_not():
     assert cache.lengths.tolist() == [9, 9]
 
 
-def test_decode_layer_errors_name_the_argument():
-    attn, x, k, v, start, end = _decode_layer_inputs(2, 1, 2, 8, 5, torch.float32, True)
+def test_decode_layer_errors_name_the_argument_and_change_nothing():
+    attn, x, k, v, lengths, _ = _decode_layer_inputs(2, 1, 2, 8, 5, torch.float32, True)
     w, b, pw, pb = attn.qkv.weight.detach(), attn.qkv.bias.detach(), attn.proj.weight.detach(), attn.proj.bias.detach()
+    k0, lengths0 = k.clone(), lengths.clone()
     with pytest.raises(ValueError, match=r"qkv_weight must have shape \[48, 16\]"):
-        ops.decode_layer(x, w.t(), b, pw, pb, k, v, start, end, 2)
+        ops.decode_layer(x, w.t(), b, pw, pb, k, v, lengths, None, 2)
     with pytest.raises(TypeError, match=r"proj_bias dtype \(Double\) must match x's \(Float\)"):
-        ops.decode_layer(x, w, b, pw, pb.double(), k, v, start, end, 2)
+        ops.decode_layer(x, w, b, pw, pb.double(), k, v, lengths, None, 2)
+    with pytest.raises(ValueError, match="must be right padding"):
+        ops.decode_layer(torch.randn(2, 2, 16), w, b, pw, pb, k, v, lengths, torch.tensor([[0, 1], [1, 1]]).bool(), 2)
+    full = torch.full((2,), 6)
     with pytest.raises(ValueError, match="KV cache overflow"):
-        full = torch.full((2,), 6)
-        ops.decode_layer(x, w, b, pw, pb, k, v, full, full + 1, 2)
-    out = ops.decode_layer(x, w.requires_grad_(), b, pw, pb, k, v, start, end, 2)  # inference only
+        ops.decode_layer(x, w, b, pw, pb, k, v, full, None, 2)
+    assert torch.equal(k, k0) and torch.equal(lengths, lengths0) and full.tolist() == [6, 6]
+    out = ops.decode_layer(x, w.requires_grad_(), b, pw, pb, k, v, lengths, None, 2)  # inference only
     with pytest.raises(RuntimeError, match="derivative for causal_attention::decode_layer is not implemented"):
         out.sum().backward()
 
 
 def test_decode_layer_compiles_and_writes_the_cache():
-    """torch.compile of the op (its meta kernel; the caches mutated in place) gives the eager bits."""
-    attn, x, k, v, start, end = _decode_layer_inputs(3, 1, 4, 8, 20, torch.float32, True)
+    """torch.compile of the op (its meta kernel; the cache and lengths mutated in place) gives the
+    eager bits."""
+    attn, x, k, v, lengths, _ = _decode_layer_inputs(3, 1, 4, 8, 20, torch.float32, True)
     params = [p.detach() for p in (attn.qkv.weight, attn.qkv.bias, attn.proj.weight, attn.proj.bias)]
     torch._dynamo.reset()
-    step = torch.compile(lambda x, k, v: ops.decode_layer(x, *params, k, v, start, end, 4), fullgraph=True)
-    k1, v1, k2, v2 = k.clone(), v.clone(), k.clone(), v.clone()
+    step = torch.compile(lambda x, k, v, n: ops.decode_layer(x, *params, k, v, n, None, 4), fullgraph=True)
+    k1, v1, n1, k2, v2, n2 = k.clone(), v.clone(), lengths.clone(), k.clone(), v.clone(), lengths.clone()
     with torch.no_grad():
-        eager = ops.decode_layer(x, *params, k1, v1, start, end, 4)
-        compiled = step(x, k2, v2)
+        eager = ops.decode_layer(x, *params, k1, v1, n1, None, 4)
+        compiled = step(x, k2, v2, n2)
     assert torch.equal(compiled, eager)
-    assert torch.equal(k2, k1) and torch.equal(v2, v1)
+    assert torch.equal(k2, k1) and torch.equal(v2, v1) and torch.equal(n2, n1)
+    assert torch.equal(n2, lengths + 1)
 
 
 def _tiny_gpt(seed: int = 0) -> TinyGPT:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from causal_attention import cli
-from causal_attention.bench import DECODE_READ_ROW
+from causal_attention.bench import DECODE_READ_ROW, DECODE_UNFUSED_ROW
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CHECK_KEYS = {"shape", "mask", "impl", "err_vs_mha", "err_vs_ref64", "fwd_ms", "fwd_bwd_ms", "fwd_vs_mha",
@@ -106,7 +106,7 @@ def test_bench_at_tiny_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     steps = [d for d in report["decode"] if str(d["row"]).startswith("decode step")]
     assert {(d["row"], d["dtype"]) for d in steps} == {
         (row, dt) for row in ("decode step: whole layer", "decode step: attention op")
-        for dt in ("float32", "bfloat16", "float16")} | {(DECODE_READ_ROW, "float32")}
+        for dt in ("float32", "bfloat16", "float16")} | {(DECODE_READ_ROW, "float32"), (DECODE_UNFUSED_ROW, "float32")}
     for d in steps:
         assert _positive_finite(d["ms"]) and _positive_finite(d["vs_f32"]) and _positive_finite(d["kv_GB_per_s"])
         f32 = next(e for e in steps if e["row"] == d["row"] and e["dtype"] == "float32")
@@ -117,6 +117,7 @@ def test_bench_at_tiny_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         # All bytes: the layer's qkv and proj weights and biases and the K and V rows it writes, too.
         # The read-only ceiling: the weights and the cache's spare position (max_len = ctx + 1).
         extra = {"decode step: whole layer": 4 * ddim * ddim + 4 * ddim + 2 * dB * ddim,
+                 DECODE_UNFUSED_ROW: 4 * ddim * ddim + 4 * ddim + 2 * dB * ddim,
                  DECODE_READ_ROW: 4 * ddim * ddim + 4 * ddim + 2 * dB * ddim}.get(d["row"], 0) * itemsize
         assert d["all_GB_per_s"] * 1e9 * d["ms"] / 1e3 == pytest.approx(kv_bytes + extra, rel=1e-9)
         assert d["all_of_copy"] / d["of_copy"] == pytest.approx((kv_bytes + extra) / kv_bytes, rel=1e-9)

@@ -369,18 +369,18 @@ void check_layer_weights(const at::Tensor& x, const at::Tensor& qkv_weight, cons
 at::Tensor decode_layer_cpu(const at::Tensor& x_in, const at::Tensor& qkv_weight,
                             const std::optional<at::Tensor>& qkv_bias, const at::Tensor& proj_weight,
                             const std::optional<at::Tensor>& proj_bias, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& start_in, const at::Tensor& end_in,
-                            int64_t n_heads) {
+                            const at::Tensor& v_cache, const at::Tensor& lengths,
+                            const std::optional<at::Tensor>& key_padding_mask, int64_t n_heads) {
   check_layer_weights(x_in, qkv_weight, qkv_bias, proj_weight, proj_bias, n_heads);
   TORCH_CHECK_VALUE(x_in.device().is_cpu(), "decode_layer takes CPU tensors; got x on ", x_in.device());
   const int64_t B = x_in.size(0), t = x_in.size(1), dim = x_in.size(2), hd = dim / n_heads;
   auto qkv = at::empty({B, t, 3 * dim}, x_in.options());  // the projections, head by head
-  check_cache(qkv, k_cache, v_cache, start_in, end_in, n_heads);
-  const auto start = start_in.contiguous();
-  const auto end = end_in.contiguous();
-  check_cache_positions(start, end, t, k_cache.size(2));
+  check_cache(qkv, k_cache, v_cache, lengths, lengths, n_heads);
+  const auto start = lengths.contiguous();
+  const auto end = cache_end(start, key_padding_mask, t, k_cache.size(2));  // checked: right padding, room
   auto heads = at::empty({B, t, dim}, x_in.options());
   if (heads.numel() == 0) {
+    lengths.copy_(end);
     return heads;
   }
   const int64_t* s = start.data_ptr<int64_t>();
@@ -445,7 +445,9 @@ at::Tensor decode_layer_cpu(const at::Tensor& x_in, const at::Tensor& qkv_weight
         when_done);
     pass.merge(heads.data_ptr<scalar_t>());
   });
-  return few_rows_linear_cpu(heads, proj_weight, proj_bias);
+  auto out = few_rows_linear_cpu(heads, proj_weight, proj_bias);
+  lengths.copy_(end);
+  return out;
 }
 
 }  // namespace causal_attention::kernels

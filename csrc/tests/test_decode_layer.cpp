@@ -3,7 +3,8 @@
 // (proj). Output and caches bit for bit the same, in float64, float32, bfloat16 and half, with and
 // without biases, on ragged caches with padded new tokens, at 1, 2 and 3 threads (the fused pass's
 // threads wait for each other's projections: a thread that read a head's q before it was computed
-// would read uninitialised memory). Its errors name the argument.
+// would read uninitialised memory); the lengths advance by the real new tokens. Its errors name the
+// argument and leave the cache and the lengths as they were.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -43,9 +44,14 @@ TEST_P(DecodeLayerTest, EqualsTheOpsOneAfterTheOtherBitForBit) {
       const auto bproj = torch::randn({dim}, opt);
       const auto k0 = torch::randn({c.B, c.H, max_len, c.hd}, opt);
       const auto v0 = torch::randn({c.B, c.H, max_len, c.hd}, opt);
-      // Ragged caches (one may be empty) and some new tokens padding (end - start < t).
+      // Ragged caches (one may be empty) and, with a mask, some new tokens padding (right padding).
       const auto start = torch::randint(0, c.ctx + 1, {c.B}, torch::kLong);
-      const auto end = start + torch::randint(0, c.t + 1, {c.B}, torch::kLong);
+      std::optional<at::Tensor> mask;
+      if (n != 2) {
+        const auto n_real = torch::randint(0, c.t + 1, {c.B, 1}, torch::kLong);
+        mask = torch::arange(c.t, torch::kLong).unsqueeze(0) < n_real;
+      }
+      const auto end = causal_attention::cache_end(start, mask, c.t, max_len);
 
       auto k1 = k0.clone(), v1 = v0.clone();
       const auto qkv = kernels::few_rows_linear_cpu(x, wqkv, maybe(bqkv, with_bias));
@@ -54,8 +60,9 @@ TEST_P(DecodeLayerTest, EqualsTheOpsOneAfterTheOtherBitForBit) {
       const auto expected = kernels::few_rows_linear_cpu(heads, wproj, maybe(bproj, with_bias));
 
       auto k2 = k0.clone(), v2 = v0.clone();
+      auto lengths = start.clone();
       const auto out = kernels::decode_layer_cpu(x, wqkv, maybe(bqkv, with_bias), wproj, maybe(bproj, with_bias), k2,
-                                                 v2, start, end, c.H);
+                                                 v2, lengths, mask, c.H);
       std::ostringstream where_stream;
       where_stream << c10::toString(dtype) << " threads=" << n << " bias=" << with_bias;
       const std::string where = where_stream.str();
@@ -63,6 +70,7 @@ TEST_P(DecodeLayerTest, EqualsTheOpsOneAfterTheOtherBitForBit) {
                                                << (out.to(torch::kFloat64) - expected.to(torch::kFloat64)).abs().max();
       EXPECT_TRUE(torch::equal(k2, k1)) << where;
       EXPECT_TRUE(torch::equal(v2, v1)) << where;
+      EXPECT_TRUE(torch::equal(lengths, end)) << where << ": the lengths advance by the real new tokens";
       EXPECT_FALSE(torch::equal(k2, k0) && (end > start).any().item<bool>()) << where << ": no key was written";
     }
   }
@@ -91,33 +99,39 @@ std::string error_of(const std::function<void()>& f) {
   return "";
 }
 
-TEST(DecodeLayer, BadInputsNameTheArgument) {
+TEST(DecodeLayer, BadInputsNameTheArgumentAndChangeNothing) {
   const int64_t B = 2, t = 1, H = 2, hd = 8, dim = H * hd, max_len = 6;
   const auto x = torch::randn({B, t, dim});
   const auto wqkv = torch::randn({3 * dim, dim}), bqkv = torch::randn({3 * dim});
   const auto wproj = torch::randn({dim, dim}), bproj = torch::randn({dim});
   auto k = torch::zeros({B, H, max_len, hd}), v = torch::zeros({B, H, max_len, hd});
-  const auto start = torch::full({B}, 2, torch::kLong), end = start + 1;
+  auto lengths = torch::full({B}, 2, torch::kLong);
   const auto call = [&](const at::Tensor& x_, const at::Tensor& wqkv_, const at::Tensor& bqkv_,
-                        const at::Tensor& wproj_, const at::Tensor& bproj_, at::Tensor& k_, const at::Tensor& end_) {
-    return error_of([&] { kernels::decode_layer_cpu(x_, wqkv_, bqkv_, wproj_, bproj_, k_, v, start, end_, H); });
+                        const at::Tensor& wproj_, const at::Tensor& bproj_, at::Tensor& k_, at::Tensor& lengths_,
+                        const std::optional<at::Tensor>& mask = std::nullopt) {
+    return error_of([&] { kernels::decode_layer_cpu(x_, wqkv_, bqkv_, wproj_, bproj_, k_, v, lengths_, mask, H); });
   };
   const auto expect_has = [](const std::string& msg, const std::string& part) {
     EXPECT_NE(msg.find(part), std::string::npos) << "'" << part << "' not in: " << msg;
   };
-  expect_has(call(x, wqkv.t(), bqkv, wproj, bproj, k, end), "qkv_weight must have shape [48, 16]");
-  expect_has(call(x, wqkv, bqkv.narrow(0, 0, dim), wproj, bproj, k, end), "qkv_bias must have shape [48]");
-  expect_has(call(x, wqkv, bqkv, wproj.narrow(0, 0, 8), bproj, k, end), "proj_weight must have shape [16, 16]");
-  expect_has(call(x, wqkv, bqkv, wproj, bproj.to(torch::kFloat64), k, end), "proj_bias dtype (Double)");
-  expect_has(call(x.squeeze(1), wqkv, bqkv, wproj, bproj, k, end), "x must be 3-D");
-  expect_has(call(torch::randn({B, t, 15}), wqkv, bqkv, wproj, bproj, k, end), "multiple of n_heads");
+  expect_has(call(x, wqkv.t(), bqkv, wproj, bproj, k, lengths), "qkv_weight must have shape [48, 16]");
+  expect_has(call(x, wqkv, bqkv.narrow(0, 0, dim), wproj, bproj, k, lengths), "qkv_bias must have shape [48]");
+  expect_has(call(x, wqkv, bqkv, wproj.narrow(0, 0, 8), bproj, k, lengths), "proj_weight must have shape [16, 16]");
+  expect_has(call(x, wqkv, bqkv, wproj, bproj.to(torch::kFloat64), k, lengths), "proj_bias dtype (Double)");
+  expect_has(call(x.squeeze(1), wqkv, bqkv, wproj, bproj, k, lengths), "x must be 3-D");
+  expect_has(call(torch::randn({B, t, 15}), wqkv, bqkv, wproj, bproj, k, lengths), "multiple of n_heads");
   auto wrong_cache = torch::zeros({B, H, max_len, hd + 1});
-  expect_has(call(x, wqkv, bqkv, wproj, bproj, wrong_cache, end), "k_cache must have shape");
-  expect_has(call(x, wqkv, bqkv, wproj, bproj, k, start + 2), "cache positions of sequence 0 must satisfy");
-  const auto full = torch::full({B}, max_len, torch::kLong);
-  expect_has(error_of([&] { kernels::decode_layer_cpu(x, wqkv, bqkv, wproj, bproj, k, v, full, full + 1, H); }),
-             "KV cache overflow");
+  expect_has(call(x, wqkv, bqkv, wproj, bproj, wrong_cache, lengths), "k_cache must have shape");
+  auto int_lengths = lengths.to(torch::kInt);
+  expect_has(call(x, wqkv, bqkv, wproj, bproj, k, int_lengths), "cache lengths must be an int64 tensor");
+  const auto left_padded = torch::tensor({{false, true}, {true, true}});
+  const auto x2 = torch::randn({B, 2, dim});
+  expect_has(call(x2, wqkv, bqkv, wproj, bproj, k, lengths, left_padded), "must be right padding");
+  auto full = torch::full({B}, max_len, torch::kLong);
+  expect_has(call(x, wqkv, bqkv, wproj, bproj, k, full), "KV cache overflow");
   EXPECT_TRUE(torch::equal(k, torch::zeros_like(k))) << "a refused step wrote the cache";
+  EXPECT_TRUE(torch::equal(lengths, torch::full({B}, 2, torch::kLong))) << "a refused step moved the lengths";
+  EXPECT_TRUE(torch::equal(full, torch::full({B}, max_len, torch::kLong)));
 }
 
 TEST(DecodeLayer, TheModulesCachedStepIsTheFusedOp) {
@@ -129,11 +143,13 @@ TEST(DecodeLayer, TheModulesCachedStepIsTheFusedOp) {
   attn->forward(torch::randn({3, 9, 32}), std::nullopt, cache);  // prefill: 27 rows, not fused
   const auto x = torch::randn({3, 1, 32});
   auto k = cache.k.clone(), v = cache.v.clone();
+  auto lengths = cache.lengths.clone();
   const auto expected = kernels::decode_layer_cpu(x, attn->qkv->weight, attn->qkv->bias, attn->proj->weight,
-                                                  attn->proj->bias, k, v, cache.lengths, cache.lengths + 1, 4);
+                                                  attn->proj->bias, k, v, lengths, std::nullopt, 4);
   const auto out = attn->forward(x, std::nullopt, cache);
   EXPECT_TRUE(torch::equal(out, expected));
   EXPECT_TRUE(torch::equal(cache.k, k));
+  EXPECT_TRUE(torch::equal(cache.lengths, lengths));
   EXPECT_EQ(cache.lengths.sum().item<int64_t>(), 30);
 }
 

@@ -29,8 +29,9 @@ Rows:
 - module: the whole layer: ours; nn.MultiheadAttention (need_weights=False) with the same masks.
 - memory: extra peak memory (resident set) of the kernel's forward+backward, in a fresh process.
 - generation: one decode step (the whole layer, and the attention op alone) in float32, bfloat16
-  and float16, timed in one interleaved group, with each half-precision time against float32's,
-  and with it the decode target's attainable best: torch's sum over the bytes the float32 layer
+  and float16, timed in one interleaved group, with each half-precision time against float32's;
+  with them the float32 layer's step op by op (what its fused decode_layer op replaces) and the
+  decode target's attainable best: torch's sum over the bytes the float32 layer
   reads (weights, K, V), credited with the same K and V bytes; then a tiny GPT generating with the
   KV cache and without it.
 """
@@ -239,6 +240,7 @@ def _module_impls(T: int, dim: int, H: int, mask: Tensor | None, dtype: torch.dt
 
 DECODE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DECODE_READ_ROW = "decode step: read only (torch.sum over the layer's bytes)"
+DECODE_UNFUSED_ROW = "decode step: whole layer, op by op (no decode_layer)"
 
 
 def decode_rows(*, B: int = 8, ctx: int = 2048, dim: int = 768, H: int = 12,
@@ -279,6 +281,16 @@ def decode_rows(*, B: int = 8, ctx: int = 2048, dim: int = 768, H: int = 12,
         fns[f"layer {_name(dtype)}"] = layer_step
         fns[f"op {_name(dtype)}"] = attention_op
         if dtype == torch.float32:
+            # What the layer's one fused op (decode_layer) replaces: its four ops one after the other.
+            def op_by_op(attn: CausalSelfAttention = attn, cache: KVCache = cache, x: Tensor = x,
+                         start: Tensor = start, end: Tensor = end) -> None:
+                ops = torch.ops.causal_attention
+                qkv = ops.few_rows_linear(x, attn.qkv.weight, attn.qkv.bias)
+                ops.kv_cache_write(qkv, cache.k, cache.v, start, end, H)
+                ops.few_rows_linear(ops.decode_attention(qkv, cache.k, cache.v, start, end, H), attn.proj.weight,
+                                    attn.proj.bias)
+
+            fns["unfused float32"] = op_by_op
             # What the target's metric can reach: only reading the bytes the float32 layer reads
             # (its weights and biases, then K and V: the cache's max_len = ctx + 1 positions), by
             # torch's sum, one tensor after the other as the layer meets them.
@@ -292,8 +304,8 @@ def decode_rows(*, B: int = 8, ctx: int = 2048, dim: int = 768, H: int = 12,
     t = medians(times)
     copy_bytes = 2 * src.numel() * 4  # read + write
     copy_gbs = copy_bytes / t["copy"] / 1e9
-    kinds = (("layer", "decode step: whole layer", dtypes), ("op", "decode step: attention op", dtypes),
-             ("read", DECODE_READ_ROW, dtypes[:1]))
+    kinds = (("layer", "decode step: whole layer", dtypes), ("unfused", DECODE_UNFUSED_ROW, dtypes[:1]),
+             ("op", "decode step: attention op", dtypes), ("read", DECODE_READ_ROW, dtypes[:1]))
     for kind, label, kind_dtypes in kinds:
         for dtype in kind_dtypes:
             kv_bytes = 2 * B * H * ctx * hd * dtype.itemsize

@@ -222,26 +222,27 @@ class CausalSelfAttention(nn.Module):
 
     def _decode_layer(self, x: Tensor, mask: Tensor | None, cache: KVCache) -> Tensor | None:
         """A decode step (x: (B, t, dim) with B * t <= FEW_ROWS) by the engine's fused decode_layer op:
-        the same output and cache, bit for bit, as the qkv projection, the cached attention and the
-        output projection one after the other, where both projections would take few_rows_matmul's
-        engine path and the attention the engine's; None elsewhere (the caller's path). The op
-        overlaps one thread's projections with another's streaming of the cache. Returns (B, t, dim).
+        the same output, cache and lengths, bit for bit, as the qkv projection, the cached attention
+        and the output projection one after the other, where both projections would take
+        few_rows_matmul's engine path and the attention the engine's; None elsewhere (the caller's
+        path). The op overlaps one thread's projections with another's streaming of the cache.
+        mask: bool (B, t) or None. Returns (B, t, dim).
         """
         if x.shape[0] * x.shape[1] > FEW_ROWS or torch.is_grad_enabled() or _tracing():
             return None
         if x.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
             return None
-        if any(p.dtype != x.dtype or p.device != x.device for p in self.parameters()):
+        # (The four tensors by name: nn.Module.parameters() walks the module tree, which costs more
+        # than the checks themselves when a step's Python runs with cold caches, as it does.)
+        weights = (self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias)
+        if any(w is not None and (w.dtype != x.dtype or w.device != x.device) for w in weights):
             return None
         if backends.select_backend(x, self.backend) != "cpp":
             return None
-        start = cache.lengths  # (B,) tokens already in the cache
-        end = backends.cache_end(start, mask, x.shape[1], cache.max_len)  # (B,), checked: right padding, room
-        y = torch.ops.causal_attention.decode_layer(
-            x, self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias, cache.k, cache.v, start, end, self.n_heads
-        )
-        cache.lengths.copy_(end)
-        return y
+        # One op for the whole step (checks, cache write, lengths advanced): a step's Python and
+        # op calls run with caches the previous layer's streaming left cold, ~50-90 us each.
+        return torch.ops.causal_attention.decode_layer(x, *weights, cache.k, cache.v, cache.lengths, mask,
+                                                       self.n_heads)
 
     def _check_cache(self, cache: KVCache, x: Tensor, x_name: str) -> None:
         if not isinstance(cache, KVCache):

@@ -118,16 +118,18 @@ void kv_cache_write_cpu(const at::Tensor& qkv, const at::Tensor& k_cache, const 
 at::Tensor decode_attention_cpu(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& start, const at::Tensor& end, int64_t n_heads);
 
-// A decode step of the whole layer in one pass: proj(decode_attention(qkv)) with qkv = x (B, t, dim)
-// @ qkv_weight^T (+ qkv_bias), its new keys and values written into the cache as kv_cache_write
-// writes them; the same values, bit for bit, as those four ops one after the other (the linear
-// layers as few_rows_linear_cpu). The projections are computed head by head inside the attention's
-// parallel pass, so that one thread's projection (compute bound at a few rows) overlaps the other's
-// streaming of the cache. Biases are optional; no autograd.
+// A decode step of the whole layer against its KV cache, in one op: end = cache_end(lengths,
+// key_padding_mask, t, max_len) (right padding and room checked), qkv = x (B, t, dim) @ qkv_weight^T
+// (+ qkv_bias), its real new keys and values written as kv_cache_write writes them, out =
+// proj(decode_attention(qkv)), and lengths advanced to end; the same values, bit for bit, as those
+// ops one after the other (the linear layers as few_rows_linear_cpu). The projections are computed
+// head by head inside the attention's parallel pass, so that one thread's projection (compute bound
+// at a few rows) overlaps another's streaming of the cache. Biases and the mask (bool (B, t), True =
+// real) are optional; no autograd. Returns (B, t, dim).
 at::Tensor decode_layer_cpu(const at::Tensor& x, const at::Tensor& qkv_weight, const std::optional<at::Tensor>& qkv_bias,
                             const at::Tensor& proj_weight, const std::optional<at::Tensor>& proj_bias,
-                            const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& start,
-                            const at::Tensor& end, int64_t n_heads);
+                            const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& lengths,
+                            const std::optional<at::Tensor>& key_padding_mask, int64_t n_heads);
 
 // x (..., in) @ weight^T (+ bias) -> (..., out) for the few rows of a decode step, streaming the weight
 // (out, in) from memory once; sums in float32 for bfloat16/half (float64 for float64), one rounding.
