@@ -4,6 +4,7 @@
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 
@@ -77,8 +78,8 @@ bool CausalSelfAttentionImpl::decode_layer_applies(const at::Tensor& x) const {
       at::autocast::is_autocast_enabled(at::kCPU)) {
     return false;
   }
-  for (const auto& param : parameters()) {
-    if (param.scalar_type() != x.scalar_type() || !param.device().is_cpu()) {
+  for (const auto* weight : {&qkv->weight, &qkv->bias, &proj->weight, &proj->bias}) {  // (bias: undefined without)
+    if (weight->defined() && (weight->scalar_type() != x.scalar_type() || !weight->device().is_cpu())) {
       return false;
     }
   }
@@ -102,6 +103,11 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, const std::opti
                         " requires grad; call the layer under torch::NoGradGuard");
     }
   }
+  // Inference tensors may be written in place only in InferenceMode: refuse before writing anything.
+  TORCH_CHECK_VALUE(c10::InferenceMode::is_enabled() ||
+                        !(cache.k.is_inference() || cache.v.is_inference() || cache.lengths.is_inference()),
+                    "the KV cache was made under c10::InferenceMode: step it under InferenceMode too (or make it "
+                    "under torch::NoGradGuard)");
   const auto mask = normalize_key_padding_mask(key_padding_mask, x);  // (B, t) bool or none
   if (decode_layer_applies(x)) {  // the steps below fused, the same bits (kernels::decode_layer_cpu)
     const auto optional = [](const at::Tensor& b) { return b.defined() ? std::optional<at::Tensor>(b) : std::nullopt; };

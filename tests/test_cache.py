@@ -279,7 +279,7 @@ def _decode_layer_inputs(B: int, t: int, H: int, hd: int, ctx: int, dtype: torch
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16],
                          ids=["f64", "f32", "bf16", "f16"])
 @pytest.mark.parametrize("B, t, H, hd, ctx", [(4, 1, 12, 64, 1025), (1, 1, 2, 8, 1), (3, 2, 2, 48, 113),
-                                               (2, 4, 1, 80, 7), (8, 1, 3, 64, 0)])
+                                               (2, 4, 1, 80, 7), (8, 1, 3, 64, 0), (1, 20, 2, 16, 50), (1, 1, 3, 5, 40)])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("masked", [True, False], ids=["mask", "no_mask"])
 def test_decode_layer_equals_the_ops_in_turn(dtype, B, t, H, hd, ctx, bias, masked):
@@ -335,6 +335,43 @@ def test_the_modules_decode_step_is_the_fused_op_and_a_prefill_is_not():
     assert cache.lengths.tolist() == [9, 9]
 
 
+@pytest.mark.parametrize("case", ["sdpa_backend", "grad_mode_frozen_weights", "nine_rows"])
+def test_steps_the_fused_op_does_not_take(case):
+    """Where a projection would not take few_rows_matmul's engine path, or the attention not the
+    engine's, the step runs op by op, and still equals the full forward."""
+    attn = CausalSelfAttention(32, 4, backend="sdpa" if case == "sdpa_backend" else "auto")
+    B, t = (3, 3) if case == "nine_rows" else (2, 1)
+    x = torch.randn(B, 5 + t, 32)
+    with torch.no_grad():
+        full = attn(x)
+        cache = attn.make_cache(B, 12)
+        attn(x[:, :5], cache=cache)
+    attn.requires_grad_(False)
+    grad = torch.enable_grad() if case == "grad_mode_frozen_weights" else torch.no_grad()
+    with grad, _OpLog() as step:
+        y = attn(x[:, 5:], cache=cache)
+    assert "causal_attention.decode_layer.default" not in step.names
+    assert rel_err(y, full[:, 5:]) <= 1e-5
+    assert cache.lengths.tolist() == [5 + t] * B
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # (a cached step refuses autocast's dtype)
+        assert attn._decode_layer(x[:, 5:], None, cache) is None
+
+
+def test_an_inference_mode_cache_is_stepped_in_inference_mode_only():
+    """Inference tensors may be written in place only in inference mode: a step outside it is
+    refused before it writes anything, whichever path it would take (B * t = 2 and 10 rows)."""
+    attn = CausalSelfAttention(16, 2)
+    for t in (1, 5):
+        with torch.inference_mode():
+            cache = attn.make_cache(2, 8)
+        with torch.no_grad(), pytest.raises(ValueError, match="made under torch.inference_mode"):
+            attn(torch.randn(2, t, 16), cache=cache)
+        assert cache.lengths.tolist() == [0, 0] and not cache.k.any()
+        with torch.inference_mode():
+            attn(torch.randn(2, t, 16), cache=cache)
+        assert cache.lengths.tolist() == [t, t]
+
+
 def test_decode_layer_errors_name_the_argument_and_change_nothing():
     attn, x, k, v, lengths, _ = _decode_layer_inputs(2, 1, 2, 8, 5, torch.float32, True)
     w, b, pw, pb = attn.qkv.weight.detach(), attn.qkv.bias.detach(), attn.proj.weight.detach(), attn.proj.bias.detach()
@@ -348,6 +385,8 @@ def test_decode_layer_errors_name_the_argument_and_change_nothing():
     full = torch.full((2,), 6)
     with pytest.raises(ValueError, match="KV cache overflow"):
         ops.decode_layer(x, w, b, pw, pb, k, v, full, None, 2)
+    with pytest.raises(ValueError, match="lengths is written in place and must not be an expanded view"):
+        ops.decode_layer(x, w, b, pw, pb, k, v, torch.tensor([1]).expand(2), None, 2)
     assert torch.equal(k, k0) and torch.equal(lengths, lengths0) and full.tolist() == [6, 6]
     out = ops.decode_layer(x, w.requires_grad_(), b, pw, pb, k, v, lengths, None, 2)  # inference only
     with pytest.raises(RuntimeError, match="derivative for causal_attention::decode_layer is not implemented"):

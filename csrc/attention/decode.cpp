@@ -11,6 +11,7 @@
 // for any number of threads, and so is the scratch memory.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -298,7 +299,6 @@ class DecodePass {
     }
   }
 
- private:
   acc_t* state(int64_t item) { return partial_.data() + item * t_ * (hd_ + 2); }
 
   const int64_t B_, t_, dim_, H_, hd_, max_len_, ld_q_;
@@ -376,6 +376,10 @@ at::Tensor decode_layer_cpu(const at::Tensor& x_in, const at::Tensor& qkv_weight
   const int64_t B = x_in.size(0), t = x_in.size(1), dim = x_in.size(2), hd = dim / n_heads;
   auto qkv = at::empty({B, t, 3 * dim}, x_in.options());  // the projections, head by head
   check_cache(qkv, k_cache, v_cache, lengths, lengths, n_heads);
+  // lengths is written last: refuse what could fail there before anything is written.
+  TORCH_CHECK_VALUE(at::has_internal_overlap(lengths) != at::MemOverlap::Yes,
+                    "decode_layer: lengths is written in place and must not be an expanded view (its elements "
+                    "overlap in memory); got strides ", lengths.strides());
   const auto start = lengths.contiguous();
   const auto end = cache_end(start, key_padding_mask, t, k_cache.size(2));  // checked: right padding, room
   auto heads = at::empty({B, t, dim}, x_in.options());
@@ -391,8 +395,8 @@ at::Tensor decode_layer_cpu(const at::Tensor& x_in, const at::Tensor& qkv_weight
     DecodePass<scalar_t> pass(qkv, k_cache, v_cache, s, e, n_heads);
     scalar_t* qkv_ptr = qkv.data_ptr<scalar_t>();
     // The order: project head 0, project head 1, attend with head 0, project head 2, attend with
-    // head 1, ... (an item < 0 projects head -1 - item). A head's projections are taken an item
-    // before its attention, so that a thread seldom waits for another to finish them.
+    // head 1, ... (an item < 0 projects head -1 - item). A head's projection is taken one head
+    // ahead of its attention items, so that a thread seldom waits for another to finish it.
     std::vector<std::vector<int64_t>> by_head(n_heads);
     for (const int64_t item : costliest_first(pass.items(), [&](int64_t i) { return pass.cost_of(i); })) {
       by_head[pass.head_of(item)].push_back(item);
@@ -409,11 +413,14 @@ at::Tensor decode_layer_cpu(const at::Tensor& x_in, const at::Tensor& qkv_weight
     std::vector<std::atomic<bool>> projected(n_heads);
     std::atomic<bool> failed{false};
     // A thread out of items waits for the others to finish theirs: meanwhile it brings into its L2
-    // the output projection's weight rows that it will stream next (few_rows_linear_cpu's share).
+    // the output projection's weight rows that it will stream next (few_rows_linear_cpu's share;
+    // a hint: with one thread, or a weight the product would copy first, nothing).
     const int64_t threads = at::get_num_threads();  // few_rows_linear_cpu's, outside a parallel region
     const auto when_done = [&] {
-      const auto [o0, o1] = few_rows_share(dim, at::get_thread_num(), threads);
-      FewRowsProduct<scalar_t>::prefetch(proj_weight, o0, o1);
+      if (threads > 1 && proj_weight.is_contiguous()) {
+        const auto [o0, o1] = few_rows_share(dim, at::get_thread_num(), threads);
+        FewRowsProduct<scalar_t>::prefetch(proj_weight, o0, o1);
+      }
     };
     run_items(
         order, [&] { return DecodeWorkspace<scalar_t>(hd); },
@@ -434,10 +441,13 @@ at::Tensor decode_layer_cpu(const at::Tensor& x_in, const at::Tensor& qkv_weight
             projected[h].store(true, std::memory_order_release);
             return;
           }
-          // Taken after its head's projection item (order): wait until that is done.
+          // Taken after its head's projection item (order): wait until that is done. If a
+          // projection failed, its thread's exception is the op's: the others just stop.
           const int64_t h = pass.head_of(item);
           while (!projected[h].load(std::memory_order_acquire)) {
-            TORCH_CHECK(!failed.load(), "decode_layer: the projection of head ", h, " failed");
+            if (failed.load()) {
+              return;
+            }
             std::this_thread::yield();
           }
           pass.split(item, ws);

@@ -16,7 +16,6 @@
 namespace causal_attention::kernels {
 namespace {
 
-
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK_VALUE(x.dim() >= 1, "few_rows_linear: x must have at least one dimension (..., in); got a scalar");
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == x.size(-1),

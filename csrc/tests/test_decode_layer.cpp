@@ -13,6 +13,9 @@
 #include <string>
 #include <tuple>
 
+#include <ATen/autocast_mode.h>
+#include <c10/core/InferenceMode.h>
+
 #include "causal_attention/attention.h"
 #include "causal_attention/module.h"
 
@@ -26,12 +29,24 @@ struct Case {
 
 std::optional<at::Tensor> maybe(const at::Tensor& t, bool with) { return with ? std::optional<at::Tensor>(t) : std::nullopt; }
 
+// Restores the thread count when the test ends, however it ends.
+class ThreadsGuard {
+ public:
+  ThreadsGuard() : threads_(at::get_num_threads()) {}
+  ThreadsGuard(const ThreadsGuard&) = delete;
+  ThreadsGuard& operator=(const ThreadsGuard&) = delete;
+  ~ThreadsGuard() { at::set_num_threads(threads_); }
+
+ private:
+  int threads_;
+};
+
 class DecodeLayerTest : public ::testing::TestWithParam<std::tuple<Case, torch::ScalarType>> {};
 
 TEST_P(DecodeLayerTest, EqualsTheOpsOneAfterTheOtherBitForBit) {
   const auto [c, dtype] = GetParam();
   const int64_t dim = c.H * c.hd, max_len = c.ctx + c.t;
-  const int threads = at::get_num_threads();
+  const ThreadsGuard threads;
   for (const bool with_bias : {true, false}) {
     for (const int n : {1, 2, 3}) {
       torch::manual_seed(7 + n + 10 * with_bias);
@@ -74,13 +89,15 @@ TEST_P(DecodeLayerTest, EqualsTheOpsOneAfterTheOtherBitForBit) {
       EXPECT_FALSE(torch::equal(k2, k0) && (end > start).any().item<bool>()) << where << ": no key was written";
     }
   }
-  at::set_num_threads(threads);
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, DecodeLayerTest,
     ::testing::Combine(::testing::Values(Case{4, 1, 12, 64, 1025}, Case{1, 1, 8, 8, 1}, Case{3, 2, 2, 48, 113},
-                                         Case{2, 4, 1, 80, 7}, Case{5, 1, 6, 8, 300}, Case{8, 1, 3, 64, 0}),
+                                         Case{2, 4, 1, 80, 7}, Case{5, 1, 6, 8, 300}, Case{8, 1, 3, 64, 0},
+                                         // more than 16 new tokens (the decode op's tiles); head_dim 5
+                                         // (no whole vector: the scalar tails)
+                                         Case{1, 20, 2, 16, 50}, Case{1, 1, 3, 5, 40}),
                        ::testing::Values(torch::kFloat64, torch::kFloat32, torch::kBFloat16, torch::kHalf)),
     [](const ::testing::TestParamInfo<std::tuple<Case, torch::ScalarType>>& info) {
       const Case c = std::get<0>(info.param);
@@ -132,6 +149,47 @@ TEST(DecodeLayer, BadInputsNameTheArgumentAndChangeNothing) {
   EXPECT_TRUE(torch::equal(k, torch::zeros_like(k))) << "a refused step wrote the cache";
   EXPECT_TRUE(torch::equal(lengths, torch::full({B}, 2, torch::kLong))) << "a refused step moved the lengths";
   EXPECT_TRUE(torch::equal(full, torch::full({B}, max_len, torch::kLong)));
+  auto expanded = torch::full({1}, 2, torch::kLong).expand({B});
+  expect_has(call(x, wqkv, bqkv, wproj, bproj, k, expanded), "lengths is written in place and must not be an expanded");
+  EXPECT_TRUE(torch::equal(k, torch::zeros_like(k))) << "a refused step wrote the cache";
+}
+
+TEST(DecodeLayer, TheModuleFusesAFewRowsWithoutAutogradOnly) {
+  causal_attention::CausalSelfAttention attn(32, 4);
+  const auto x = torch::randn({2, 4, 32});
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(attn->decode_layer_applies(x));  // 8 rows
+    EXPECT_FALSE(attn->decode_layer_applies(torch::randn({3, 3, 32})));  // 9 rows: BLAS
+    EXPECT_FALSE(attn->decode_layer_applies(x.to(torch::kFloat64)));  // weights in another dtype
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    const bool under_autocast = attn->decode_layer_applies(x);
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    EXPECT_FALSE(under_autocast);
+  }
+  EXPECT_FALSE(attn->decode_layer_applies(x));  // grad mode
+  causal_attention::CausalSelfAttention no_bias(causal_attention::CausalSelfAttentionOptions(32, 4).bias(false));
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(no_bias->decode_layer_applies(x));
+}
+
+TEST(DecodeLayer, AnInferenceModeCacheIsSteppedInInferenceModeOnly) {
+  causal_attention::CausalSelfAttention attn(16, 2);
+  const auto x = torch::randn({2, 1, 16});
+  auto cache = [&] {
+    c10::InferenceMode inference;
+    return attn->make_cache(2, 4);
+  }();
+  {
+    torch::NoGradGuard no_grad;
+    const auto msg = error_of([&] { attn->forward(x, std::nullopt, cache); });
+    EXPECT_NE(msg.find("the KV cache was made under c10::InferenceMode"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(cache.lengths.sum().item<int64_t>(), 0);
+  EXPECT_EQ(cache.k.abs().sum().item<float>(), 0.0f);
+  c10::InferenceMode inference;
+  attn->forward(x, std::nullopt, cache);
+  EXPECT_EQ(cache.lengths.sum().item<int64_t>(), 2);
 }
 
 TEST(DecodeLayer, TheModulesCachedStepIsTheFusedOp) {

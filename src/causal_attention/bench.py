@@ -56,7 +56,7 @@ from torch import Tensor, nn
 
 from . import _ops
 from .cache import KVCache
-from .module import CausalSelfAttention
+from .module import CausalSelfAttention, few_rows_linear
 from .reference import attention_core
 from .timing import interleaved_medians, interleaved_times, medians, paired_ratio
 
@@ -281,14 +281,12 @@ def decode_rows(*, B: int = 8, ctx: int = 2048, dim: int = 768, H: int = 12,
         fns[f"layer {_name(dtype)}"] = layer_step
         fns[f"op {_name(dtype)}"] = attention_op
         if dtype == torch.float32:
-            # What the layer's one fused op (decode_layer) replaces: its four ops one after the other.
+            # What the layer's one fused op (decode_layer) replaces: the module's step op by op (its
+            # path where decode_layer does not apply), from the same checked entry point.
             def op_by_op(attn: CausalSelfAttention = attn, cache: KVCache = cache, x: Tensor = x,
-                         start: Tensor = start, end: Tensor = end) -> None:
-                ops = torch.ops.causal_attention
-                qkv = ops.few_rows_linear(x, attn.qkv.weight, attn.qkv.bias)
-                ops.kv_cache_write(qkv, cache.k, cache.v, start, end, H)
-                ops.few_rows_linear(ops.decode_attention(qkv, cache.k, cache.v, start, end, H), attn.proj.weight,
-                                    attn.proj.bias)
+                         start: Tensor = start) -> None:
+                cache.lengths.copy_(start)
+                few_rows_linear(attn.proj, attn.attend(few_rows_linear(attn.qkv, x), None, cache=cache))
 
             fns["unfused float32"] = op_by_op
             # What the target's metric can reach: only reading the bytes the float32 layer reads

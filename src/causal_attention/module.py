@@ -256,6 +256,14 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(
                 f"cache must match {x_name}'s dtype and device ({x.dtype}, {x.device}); got ({cache.k.dtype}, {cache.k.device})"
             )
+        if not _tracing() and not torch.is_inference_mode_enabled() and (
+            cache.k.is_inference() or cache.v.is_inference() or cache.lengths.is_inference()
+        ):
+            # Inference tensors may be written in place only in inference mode: refuse before writing.
+            raise ValueError(
+                "the KV cache was made under torch.inference_mode(): step it under torch.inference_mode() too "
+                "(or make it under torch.no_grad())"
+            )
         if torch.is_grad_enabled():
             # The cache path has no backward: refuse it while anything could want a gradient.
             wanting = [x_name] if x.requires_grad else []

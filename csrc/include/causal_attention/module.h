@@ -62,6 +62,11 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
 
   KVCache make_cache(int64_t batch_size, int64_t max_len) const;
 
+  // Whether forward(x, mask, cache) runs its step as one kernels::decode_layer_cpu call: at most
+  // kFewRows rows, no autograd, no autocast, x and the weights on the CPU in x's dtype (where both
+  // projections would take few_rows_linear's streaming kernel), as Python's _decode_layer.
+  bool decode_layer_applies(const at::Tensor& x) const;
+
   int64_t dim() const { return dim_; }
   int64_t n_heads() const { return n_heads_; }
   int64_t head_dim() const { return dim_ / n_heads_; }
@@ -73,9 +78,6 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
 
  private:
   void check_x(const at::Tensor& x) const;
-  // Whether a cached step on x runs as kernels::decode_layer_cpu (a few rows, no autograd, the
-  // parameters in x's dtype on the CPU).
-  bool decode_layer_applies(const at::Tensor& x) const;
 
   int64_t dim_;
   int64_t n_heads_;
