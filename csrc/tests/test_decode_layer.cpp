@@ -8,7 +8,6 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <functional>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -18,6 +17,7 @@
 
 #include "causal_attention/attention.h"
 #include "causal_attention/module.h"
+#include "error_of.h"
 
 namespace {
 
@@ -106,15 +106,6 @@ INSTANTIATE_TEST_SUITE_P(
            << c10::toString(std::get<1>(info.param));
       return name.str();
     });
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
 
 TEST(DecodeLayer, BadInputsNameTheArgumentAndChangeNothing) {
   const int64_t B = 2, t = 1, H = 2, hd = 8, dim = H * hd, max_len = 6;

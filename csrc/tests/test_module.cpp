@@ -6,6 +6,7 @@
 
 #include "causal_attention/attention.h"
 #include "causal_attention/module.h"
+#include "error_of.h"
 
 namespace {
 
@@ -147,16 +148,6 @@ TEST(Padding, RowWithNoAllowedKeyGivesProjBiasAndZeroGradients) {
   y.sum().backward();
   EXPECT_FALSE(x.grad().isnan().any().item<bool>());
   EXPECT_FALSE(attn->qkv->weight.grad().isnan().any().item<bool>());
-}
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
 }
 
 TEST(Errors, DimNotDivisibleByHeadsNamesBoth) {
