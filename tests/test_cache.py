@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from causal_attention import CausalSelfAttention, KVCache, backends
@@ -301,6 +303,35 @@ def test_decode_layer_equals_the_ops_in_turn(dtype, B, t, H, hd, ctx, bias, mask
     assert torch.equal(k2, k1) and torch.equal(v2, v1)
     assert torch.equal(lengths2, end)
     assert not torch.equal(k2, k) or bool((end == lengths).all())  # the new keys were written
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(B=st.integers(1, 4), t=st.integers(0, 6), H=st.integers(1, 4), hd=st.sampled_from([1, 3, 8, 16, 24, 33]),
+       ctx=st.integers(0, 1300), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+       bias=st.booleans(), masked=st.booleans(), threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**31 - 1))
+def test_decode_layer_is_the_ops_in_turn_on_any_shape(B, t, H, hd, ctx, dtype, bias, masked, threads, seed):
+    """Hypothesis over shapes (no new token, head sizes that fill no vector, contexts past one
+    streamed chunk), dtypes and thread counts: decode_layer's output, cache and lengths bit for bit
+    the ops' in turn."""
+    torch.manual_seed(seed)
+    attn, x, k, v, lengths, mask = _decode_layer_inputs(B, t, H, hd, ctx, dtype, bias)
+    mask = mask if masked else None
+    w, b, pw, pb = attn.qkv.weight, attn.qkv.bias, attn.proj.weight, attn.proj.bias
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            k1, v1 = k.clone(), v.clone()
+            end = ops.cache_end(lengths, mask, t, ctx + t)
+            qkv = ops.few_rows_linear(x, w, b)
+            ops.kv_cache_write(qkv, k1, v1, lengths, end, H)
+            expected = ops.few_rows_linear(ops.decode_attention(qkv, k1, v1, lengths, end, H), pw, pb)
+            k2, v2, lengths2 = k.clone(), v.clone(), lengths.clone()
+            out = ops.decode_layer(x, w, b, pw, pb, k2, v2, lengths2, mask, H)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out, expected)
+    assert torch.equal(k2, k1) and torch.equal(v2, v1) and torch.equal(lengths2, end)
 
 
 class _OpLog(TorchDispatchMode):

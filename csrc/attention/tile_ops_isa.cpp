@@ -977,10 +977,20 @@ inline void linear_block(const acc_t* x, const scalar_t* w, int64_t in, acc_t* s
   for (; line < lines; ++line) {
     __builtin_prefetch(pf + 64 * line, 0, 2);
   }
+  // The scalar tail, rounded the same way in every block shape: GCC contracts a * b + c into a fused
+  // multiply-add where it vectorises (-ffp-contract=fast, its C++ default), which it did for some
+  // RM x RO blocks and not others, so an output's bits depended on the block that computed it (the
+  // fused decode step's heads cut the weight's rows into other blocks than few_rows_linear's). An
+  // explicit fused multiply-add where the build has one; a multiply and an add, never contracted,
+  // where it has not.
   for (; d < in; ++d) {
     for (int i = 0; i < RM; ++i) {
       for (int r = 0; r < RO; ++r) {
+#if defined(__FMA__)
+        sum[i][r] = std::fma(x[i * in + d], static_cast<acc_t>(w[r * in + d]), sum[i][r]);
+#else
         sum[i][r] += x[i * in + d] * static_cast<acc_t>(w[r * in + d]);
+#endif
       }
     }
   }

@@ -5,6 +5,7 @@
 // builds' row blocks (8 on AVX-512, 4 on AVX2, then 4 / 2 / 1), input sizes that are and are not whole
 // vectors (the scalar tail), weight ranges that do and do not fill the 3-row blocks and the prefetch
 // window ahead of them; and the bfloat16 pair kernel (linear_rows_pairs) where the CPU has AVX512-BF16.
+// Every output also one at a time: the same bits whichever block computes it.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -45,6 +46,21 @@ void check_case(const tile::TileOps<scalar_t>& ops, torch::ScalarType dtype, int
     ops.linear_rows(x_acc.const_data_ptr<acc_t>(), rows, in, w.const_data_ptr<scalar_t>(), bias, o0, o1,
                     y.data_ptr<scalar_t>(), ld_y);
   }
+  // Each output is the same sum whichever block computes it (the 3-row blocks, a lone row, where a
+  // range starts: the fused decode step cuts the weight's rows by head): one output at a time, the
+  // same bits.
+  auto y_one = torch::zeros_like(y);
+  for (int64_t o = o0; o < o1; ++o) {
+    if (pairs) {
+      ops.linear_rows_pairs(x.const_data_ptr<scalar_t>(), rows, in, w.const_data_ptr<scalar_t>(), bias, o, o + 1,
+                            y_one.data_ptr<scalar_t>(), ld_y);
+    } else {
+      ops.linear_rows(x_acc.const_data_ptr<acc_t>(), rows, in, w.const_data_ptr<scalar_t>(), bias, o, o + 1,
+                      y_one.data_ptr<scalar_t>(), ld_y);
+    }
+  }
+  EXPECT_TRUE(torch::equal(y_one.narrow(1, o0, o1 - o0), y.narrow(1, o0, o1 - o0)))
+      << where << ": an output's bits depend on the block that computed it";
   const auto xd = x.to(torch::kFloat64), wd = w.to(torch::kFloat64), bd = b.to(torch::kFloat64);
   const auto yd = y.to(torch::kFloat64);
   const auto ref = torch::mm(xd, wd.t()) + (with_bias ? bd : torch::zeros_like(bd));  // (rows, out)
