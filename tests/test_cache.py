@@ -278,15 +278,10 @@ def _decode_layer_inputs(B: int, t: int, H: int, hd: int, ctx: int, dtype: torch
     return attn, x, k, v, lengths, mask
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16],
-                         ids=["f64", "f32", "bf16", "f16"])
-@pytest.mark.parametrize("B, t, H, hd, ctx", [(4, 1, 12, 64, 1025), (1, 1, 2, 8, 1), (3, 2, 2, 48, 113),
-                                               (2, 4, 1, 80, 7), (8, 1, 3, 64, 0), (1, 20, 2, 16, 50), (1, 1, 3, 5, 40)])
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
-@pytest.mark.parametrize("masked", [True, False], ids=["mask", "no_mask"])
-def test_decode_layer_equals_the_ops_in_turn(dtype, B, t, H, hd, ctx, bias, masked):
-    """The fused decode step: output, cache and lengths bit for bit those of cache_end,
-    few_rows_linear (qkv), kv_cache_write, decode_attention and few_rows_linear (proj) in turn."""
+def _fused_and_in_turn(B: int, t: int, H: int, hd: int, ctx: int, dtype: torch.dtype, bias: bool, masked: bool):  # type: ignore[no-untyped-def]
+    """decode_layer on fresh inputs, and cache_end, few_rows_linear (qkv), kv_cache_write,
+    decode_attention and few_rows_linear (proj) in turn on copies: (fused, in_turn, before), the
+    first two as (out, k, v, lengths), before as (k, lengths)."""
     attn, x, k, v, lengths, mask = _decode_layer_inputs(B, t, H, hd, ctx, dtype, bias)
     mask = mask if masked else None
     w, b, pw, pb = attn.qkv.weight, attn.qkv.bias, attn.proj.weight, attn.proj.bias
@@ -298,11 +293,22 @@ def test_decode_layer_equals_the_ops_in_turn(dtype, B, t, H, hd, ctx, bias, mask
         expected = ops.few_rows_linear(ops.decode_attention(qkv, k1, v1, lengths, end, H), pw, pb)
         k2, v2, lengths2 = k.clone(), v.clone(), lengths.clone()
         out = ops.decode_layer(x, w, b, pw, pb, k2, v2, lengths2, mask, H)
-    assert out.dtype == dtype and out.shape == (B, t, H * hd)
-    assert torch.equal(out, expected)
-    assert torch.equal(k2, k1) and torch.equal(v2, v1)
-    assert torch.equal(lengths2, end)
-    assert not torch.equal(k2, k) or bool((end == lengths).all())  # the new keys were written
+    return (out, k2, v2, lengths2), (expected, k1, v1, end), (k, lengths)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16],
+                         ids=["f64", "f32", "bf16", "f16"])
+@pytest.mark.parametrize("B, t, H, hd, ctx", [(4, 1, 12, 64, 1025), (1, 1, 2, 8, 1), (3, 2, 2, 48, 113),
+                                               (2, 4, 1, 80, 7), (8, 1, 3, 64, 0), (1, 20, 2, 16, 50), (1, 1, 3, 5, 40)])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("masked", [True, False], ids=["mask", "no_mask"])
+def test_decode_layer_equals_the_ops_in_turn(dtype, B, t, H, hd, ctx, bias, masked):
+    """The fused decode step: output, cache and lengths bit for bit those of cache_end,
+    few_rows_linear (qkv), kv_cache_write, decode_attention and few_rows_linear (proj) in turn."""
+    fused, in_turn, (k_before, start) = _fused_and_in_turn(B, t, H, hd, ctx, dtype, bias, masked)
+    assert fused[0].dtype == dtype and fused[0].shape == (B, t, H * hd)
+    assert all(torch.equal(a, b) for a, b in zip(fused, in_turn))  # out, k, v, lengths
+    assert not torch.equal(fused[1], k_before) or bool((in_turn[3] == start).all())  # the new keys were written
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
@@ -314,24 +320,13 @@ def test_decode_layer_is_the_ops_in_turn_on_any_shape(B, t, H, hd, ctx, dtype, b
     streamed chunk), dtypes and thread counts: decode_layer's output, cache and lengths bit for bit
     the ops' in turn."""
     torch.manual_seed(seed)
-    attn, x, k, v, lengths, mask = _decode_layer_inputs(B, t, H, hd, ctx, dtype, bias)
-    mask = mask if masked else None
-    w, b, pw, pb = attn.qkv.weight, attn.qkv.bias, attn.proj.weight, attn.proj.bias
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        with torch.no_grad():
-            k1, v1 = k.clone(), v.clone()
-            end = ops.cache_end(lengths, mask, t, ctx + t)
-            qkv = ops.few_rows_linear(x, w, b)
-            ops.kv_cache_write(qkv, k1, v1, lengths, end, H)
-            expected = ops.few_rows_linear(ops.decode_attention(qkv, k1, v1, lengths, end, H), pw, pb)
-            k2, v2, lengths2 = k.clone(), v.clone(), lengths.clone()
-            out = ops.decode_layer(x, w, b, pw, pb, k2, v2, lengths2, mask, H)
+        fused, in_turn, _ = _fused_and_in_turn(B, t, H, hd, ctx, dtype, bias, masked)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(out, expected)
-    assert torch.equal(k2, k1) and torch.equal(v2, v1) and torch.equal(lengths2, end)
+    assert all(torch.equal(a, b) for a, b in zip(fused, in_turn))  # out, k, v, lengths
 
 
 class _OpLog(TorchDispatchMode):
