@@ -7,6 +7,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <initializer_list>
 
 namespace causal_attention {
 
@@ -23,17 +24,31 @@ double checked_dropout(double dropout) {
   check_dropout(dropout);
   return dropout;
 }
+
+// Whether a product of `rows` input rows is a decode step's: few rows, no autograd (few_rows_linear's and
+// the fused decode step's first condition; Python's _few_rows_step).
+bool few_rows_step(int64_t rows) { return rows <= kFewRows && !at::GradMode::is_enabled(); }
+
+// Whether kernels::few_rows_linear_cpu streams these weights (undefined: a layer without bias) against x:
+// x and every weight on the CPU in x's dtype, no CPU autocast. few_rows_linear and decode_layer_applies
+// share it, so that the fused step runs exactly where its projections would stream (and gives their bits).
+// Python's _engine_streams.
+bool engine_streams(const at::Tensor& x, std::initializer_list<const at::Tensor*> weights) {
+  if (!x.device().is_cpu() || at::autocast::is_autocast_enabled(at::kCPU)) {
+    return false;
+  }
+  return std::all_of(weights.begin(), weights.end(), [&](const at::Tensor* w) {
+    return !w->defined() || (w->scalar_type() == x.scalar_type() && w->device().is_cpu());
+  });
+}
 }  // namespace
 
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   const int64_t rows = x.numel() / std::max<int64_t>(1, x.size(-1));
-  if (rows > kFewRows || at::GradMode::is_enabled()) {
+  if (!few_rows_step(rows)) {
     return at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
   }
-  const bool same_dtype = weight.scalar_type() == x.scalar_type() &&
-                          (!bias.defined() || bias.scalar_type() == x.scalar_type());
-  const bool on_cpu = x.device().is_cpu() && weight.device().is_cpu() && (!bias.defined() || bias.device().is_cpu());
-  if (same_dtype && on_cpu && !at::autocast::is_autocast_enabled(at::kCPU)) {  // streams the weight once
+  if (engine_streams(x, {&weight, &bias})) {  // streams the weight once
     return kernels::few_rows_linear_cpu(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
   }
   const auto xt = x.reshape({rows, x.size(-1)}).t();                                               // (in, rows)
@@ -74,16 +89,8 @@ void CausalSelfAttentionImpl::check_x(const at::Tensor& x) const {
 
 bool CausalSelfAttentionImpl::decode_layer_applies(const at::Tensor& x) const {
   // Where both projections would take few_rows_linear's engine path (as Python's _decode_layer).
-  if (x.size(0) * x.size(1) > kFewRows || at::GradMode::is_enabled() || !x.device().is_cpu() ||
-      at::autocast::is_autocast_enabled(at::kCPU)) {
-    return false;
-  }
-  for (const auto* weight : {&qkv->weight, &qkv->bias, &proj->weight, &proj->bias}) {  // (bias: undefined without)
-    if (weight->defined() && (weight->scalar_type() != x.scalar_type() || !weight->device().is_cpu())) {
-      return false;
-    }
-  }
-  return true;
+  return few_rows_step(x.size(0) * x.size(1)) &&
+         engine_streams(x, {&qkv->weight, &qkv->bias, &proj->weight, &proj->bias});  // (bias: undefined without)
 }
 
 KVCache CausalSelfAttentionImpl::make_cache(int64_t batch_size, int64_t max_len) const {

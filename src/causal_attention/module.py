@@ -56,16 +56,34 @@ def normalize_key_padding_mask(key_padding_mask: Tensor | None, x: Tensor) -> Te
 FEW_ROWS = 8
 
 
+def _few_rows_step(rows: int) -> bool:
+    """Whether a product of `rows` input rows is a decode step's: few rows, no gradient wanted, not
+    traced (few_rows_matmul's and the fused decode step's first condition)."""
+    return rows <= FEW_ROWS and not torch.is_grad_enabled() and not _tracing()
+
+
+def _engine_streams(x: Tensor, *weights: Tensor | None) -> bool:
+    """Whether the engine's weight-streaming kernel takes x against these weights (None: a layer
+    without bias): x and every weight on the CPU in x's dtype, no CPU autocast, the engine loaded.
+    few_rows_matmul and the fused decode step share it, so that the fused step runs exactly where
+    its projections would stream (and gives their bits)."""
+    present = [w for w in weights if w is not None]
+    return (
+        x.device.type == "cpu"
+        and all(w.dtype == x.dtype and w.device.type == "cpu" for w in present)
+        and not torch.is_autocast_enabled("cpu")
+        and _ops.core_loaded()
+    )
+
+
 def few_rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor | None:
     """x (..., in) @ weight^T (+ bias) -> (..., out) by a weight-streaming product, when x has few
     rows and no gradient is wanted (inference: a decode step); None otherwise (the caller's usual
     path)."""
     rows = x.numel() // max(1, x.shape[-1])
-    if rows > FEW_ROWS or torch.is_grad_enabled() or _tracing():
+    if not _few_rows_step(rows):
         return None
-    same_dtype = weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
-    on_cpu = x.device.type == weight.device.type == "cpu" and (bias is None or bias.device.type == "cpu")
-    if same_dtype and on_cpu and not torch.is_autocast_enabled("cpu") and _ops.core_loaded():
+    if _engine_streams(x, weight, bias):
         return torch.ops.causal_attention.few_rows_linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1])
     y = torch.mm(weight, x2.t()) if bias is None else torch.addmm(bias[:, None], weight, x2.t())  # (out, rows)
@@ -228,15 +246,11 @@ class CausalSelfAttention(nn.Module):
         path). The op overlaps one thread's projections with another's streaming of the cache.
         mask: bool (B, t) or None. Returns (B, t, dim).
         """
-        if x.shape[0] * x.shape[1] > FEW_ROWS or torch.is_grad_enabled() or _tracing():
-            return None
-        if x.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
-            return None
         # (The four tensors by name: nn.Module.parameters() walks the module tree, which costs more
         # than the checks themselves when a step's Python runs with cold caches, as it does.)
         weights = (self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias)
-        if any(w is not None and (w.dtype != x.dtype or w.device != x.device) for w in weights):
-            return None
+        if not (_few_rows_step(x.shape[0] * x.shape[1]) and _engine_streams(x, *weights)):
+            return None  # where either projection would not stream on the engine
         if backends.select_backend(x, self.backend) != "cpp":
             return None
         # One op for the whole step (checks, cache write, lengths advanced): a step's Python and
