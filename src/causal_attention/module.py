@@ -249,10 +249,11 @@ class CausalSelfAttention(nn.Module):
         # (The four tensors by name: nn.Module.parameters() walks the module tree, which costs more
         # than the checks themselves when a step's Python runs with cold caches, as it does.)
         weights = (self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias)
-        if not (_few_rows_step(x.shape[0] * x.shape[1]) and _engine_streams(x, *weights)):
-            return None  # where either projection would not stream on the engine
-        if backends.select_backend(x, self.backend) != "cpp":
+        if not _few_rows_step(x.shape[0] * x.shape[1]):
             return None
+        # The backend first: backend="cpp" without the engine raises here, before any work.
+        if backends.select_backend(x, self.backend) != "cpp" or not _engine_streams(x, *weights):
+            return None  # not the engine's, or a projection that would not stream on it
         # One op for the whole step (checks, cache write, lengths advanced): a step's Python and
         # op calls run with caches the previous layer's streaming left cold, ~50-90 us each.
         return torch.ops.causal_attention.decode_layer(x, *weights, cache.k, cache.v, cache.lengths, mask,
