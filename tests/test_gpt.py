@@ -100,6 +100,20 @@ def test_compiled_forward_with_padding_equals_eager():
     assert torch.count_nonzero(out[~mask]) == 0
 
 
+def test_compiled_with_dynamic_shapes_does_not_recompile_around_the_decode_row_count():
+    """torch.compile(dynamic=True) of the GPT under no_grad: batches of 2 x 3 tokens, then 3 x 5 and
+    4 x 7 (6 rows, then over FEW_ROWS = 8) run on one graph. The decode path's row-count check is
+    skipped while tracing before the count is compared (the comparison guarded on B * T, and every
+    crossing of 8 recompiled)."""
+    torch._dynamo.reset()
+    model = random_gpt(small_config(n_layers=1))
+    compiled = torch.compile(model, dynamic=True, backend="eager")
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        for B, T in ((2, 3), (3, 5), (4, 7)):
+            tokens = torch.randint(0, model.config.vocab_size, (B, T))
+            assert rel_err(compiled(tokens), model(tokens)) <= 1e-12
+
+
 @pytest.mark.parametrize("lengths", [LENGTHS, [23, 23, 23]], ids=["ragged", "full"])
 def test_last_logits_are_the_logits_at_the_last_real_token(lengths):
     model = random_gpt()

@@ -56,10 +56,14 @@ def normalize_key_padding_mask(key_padding_mask: Tensor | None, x: Tensor) -> Te
 FEW_ROWS = 8
 
 
-def _few_rows_step(rows: int) -> bool:
-    """Whether a product of `rows` input rows is a decode step's: few rows, no gradient wanted, not
-    traced (few_rows_matmul's and the fused decode step's first condition)."""
-    return rows <= FEW_ROWS and not torch.is_grad_enabled() and not _tracing()
+def _few_rows_step(x: Tensor) -> bool:
+    """Whether a product of x's rows (x (..., in)) is a decode step's: not traced, no gradient
+    wanted, few rows (few_rows_matmul's and the fused decode step's first condition). Tracing is
+    asked first: under torch.compile with dynamic shapes, comparing the row count with FEW_ROWS
+    guards on it, and a compiled GPT recompiled whenever B * T crossed it."""
+    if _tracing() or torch.is_grad_enabled():
+        return False
+    return x.numel() // max(1, x.shape[-1]) <= FEW_ROWS
 
 
 def _engine_streams(x: Tensor, *weights: Tensor | None) -> bool:
@@ -80,12 +84,11 @@ def few_rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Te
     """x (..., in) @ weight^T (+ bias) -> (..., out) by a weight-streaming product, when x has few
     rows and no gradient is wanted (inference: a decode step); None otherwise (the caller's usual
     path)."""
-    rows = x.numel() // max(1, x.shape[-1])
-    if not _few_rows_step(rows):
+    if not _few_rows_step(x):
         return None
     if _engine_streams(x, weight, bias):
         return torch.ops.causal_attention.few_rows_linear(x, weight, bias)
-    x2 = x.reshape(rows, x.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])  # (rows, in)
     y = torch.mm(weight, x2.t()) if bias is None else torch.addmm(bias[:, None], weight, x2.t())  # (out, rows)
     return y.t().reshape(*x.shape[:-1], weight.shape[0])
 
@@ -249,7 +252,7 @@ class CausalSelfAttention(nn.Module):
         # (The four tensors by name: nn.Module.parameters() walks the module tree, which costs more
         # than the checks themselves when a step's Python runs with cold caches, as it does.)
         weights = (self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias)
-        if not _few_rows_step(x.shape[0] * x.shape[1]):
+        if not _few_rows_step(x):
             return None
         # The backend first: backend="cpp" without the engine raises here, before any work.
         if backends.select_backend(x, self.backend) != "cpp" or not _engine_streams(x, *weights):
