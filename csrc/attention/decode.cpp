@@ -186,7 +186,10 @@ class DecodePass {
                                       : 1),
         // Partial softmax states of every split: output (t, hd), max and sum (t).
         state_stride_(round_up(t_ * (hd_ + 2), kLine / static_cast<int64_t>(sizeof(acc_t)))),
-        partial_(static_cast<size_t>(B_ * H_ * n_split_ * state_stride_ + kLine / sizeof(acc_t))) {}
+        partial_(static_cast<size_t>(B_ * H_ * n_split_ * state_stride_ + kLine / sizeof(acc_t))),
+        states_(line_aligned(partial_.data())) {}
+  DecodePass(const DecodePass&) = delete;  // states_ points into partial_
+  DecodePass& operator=(const DecodePass&) = delete;
 
   void run(const at::Tensor& out) {
     // Items taken one at a time, the longest contexts first: a thread that streams slower (a busy
@@ -305,11 +308,13 @@ class DecodePass {
 
   // Item's partial state, in whole cache lines of its own: items that two threads ran side by side
   // wrote into each other's lines (float32, B=8, H=12, one key each, caches warm, 2 threads: the op
-  // took 22-44 us, 19-20 us with the lines apart; as long on 1 thread as on 2 before).
-  acc_t* state(int64_t item) {
-    const auto base = reinterpret_cast<uintptr_t>(partial_.data());
-    const auto aligned = reinterpret_cast<acc_t*>((base + kLine - 1) & ~uintptr_t(kLine - 1));
-    return aligned + item * state_stride_;
+  // took 22-44 us, 19-20 us with the lines apart, as one thread took).
+  acc_t* state(int64_t item) { return states_ + item * state_stride_; }
+
+  // The first cache-line boundary at or after p (partial_ holds a line's worth of slack for it).
+  static acc_t* line_aligned(acc_t* p) {
+    const auto address = reinterpret_cast<uintptr_t>(p);
+    return reinterpret_cast<acc_t*>((address + kLine - 1) & ~static_cast<uintptr_t>(kLine - 1));
   }
 
   const int64_t B_, t_, dim_, H_, hd_, max_len_, ld_q_;
@@ -323,6 +328,7 @@ class DecodePass {
   const int64_t n_split_;
   const int64_t state_stride_;  // acc_t per item's state: t (hd + 2), rounded up to whole cache lines
   std::vector<acc_t> partial_;
+  acc_t* const states_;  // item 0's state: partial_'s first cache-line boundary
 };
 
 }  // namespace
