@@ -76,20 +76,23 @@ std::optional<at::Tensor> normalize_key_padding_mask(const std::optional<at::Ten
   return mask.scalar_type() == at::kBool ? mask : mask_to_bool(mask);
 }
 
+void check_cache_positions(const int64_t* start, const int64_t* end, int64_t batch, int64_t new_tokens,
+                           int64_t max_len) {
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK_VALUE(0 <= start[b] && start[b] <= end[b] && end[b] <= start[b] + new_tokens,
+                      "cache positions of sequence ", b,
+                      " must satisfy 0 <= start <= end <= start + new tokens (", new_tokens, "); got start=", start[b],
+                      ", end=", end[b]);
+    TORCH_CHECK_VALUE(end[b] <= max_len, "KV cache overflow: sequence ", b, " holds ", start[b], " tokens and ",
+                      end[b] - start[b], " more do not fit in max_len=", max_len,
+                      " (make the cache longer, or reset it)");
+  }
+}
+
 void check_cache_positions(const at::Tensor& start, const at::Tensor& end, int64_t new_tokens, int64_t max_len) {
   const auto s = start.to(at::kCPU).contiguous();
   const auto e = end.to(at::kCPU).contiguous();
-  const int64_t* s_ptr = s.data_ptr<int64_t>();
-  const int64_t* e_ptr = e.data_ptr<int64_t>();
-  for (int64_t b = 0; b < s.numel(); ++b) {
-    TORCH_CHECK_VALUE(0 <= s_ptr[b] && s_ptr[b] <= e_ptr[b] && e_ptr[b] <= s_ptr[b] + new_tokens,
-                      "cache positions of sequence ", b,
-                      " must satisfy 0 <= start <= end <= start + new tokens (", new_tokens, "); got start=", s_ptr[b],
-                      ", end=", e_ptr[b]);
-    TORCH_CHECK_VALUE(e_ptr[b] <= max_len, "KV cache overflow: sequence ", b, " holds ", s_ptr[b], " tokens and ",
-                      e_ptr[b] - s_ptr[b], " more do not fit in max_len=", max_len,
-                      " (make the cache longer, or reset it)");
-  }
+  check_cache_positions(s.data_ptr<int64_t>(), e.data_ptr<int64_t>(), s.numel(), new_tokens, max_len);
 }
 
 at::Tensor cache_end(const at::Tensor& lengths, const std::optional<at::Tensor>& key_padding_mask, int64_t new_tokens,

@@ -163,8 +163,9 @@ class DecodePass {
  public:
   using acc_t = at::opmath_type<scalar_t>;
 
+  // out: (B, t, dim), written by run() (or by split() and merge(): see there).
   DecodePass(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* start,
-             const int64_t* end, int64_t n_heads)
+             const int64_t* end, int64_t n_heads, scalar_t* out)
       : B_(qkv.size(0)),
         t_(qkv.size(1)),
         dim_(qkv.size(2) / 3),
@@ -187,18 +188,19 @@ class DecodePass {
         // Partial softmax states of every split: output (t, hd), max and sum (t).
         state_stride_(round_up(t_ * (hd_ + 2), kLine / static_cast<int64_t>(sizeof(acc_t)))),
         partial_(static_cast<size_t>(B_ * H_ * n_split_ * state_stride_ + kLine / sizeof(acc_t))),
-        states_(line_aligned(partial_.data())) {}
+        states_(line_aligned(partial_.data())),
+        out_(out) {}
   DecodePass(const DecodePass&) = delete;  // states_ points into partial_
   DecodePass& operator=(const DecodePass&) = delete;
 
-  void run(const at::Tensor& out) {
+  void run() {
     // Items taken one at a time, the longest contexts first: a thread that streams slower (a busy
     // core of a shared machine) takes fewer, where a static split left the other waiting at the end.
     const auto order = costliest_first(items(), [&](int64_t item) { return cost_of(item); });
     run_items(
         order, [&] { return DecodeWorkspace<scalar_t>(hd_); },
         [&](int64_t item, DecodeWorkspace<scalar_t>& ws) { split(item, ws); });
-    merge(out.data_ptr<scalar_t>());
+    merge();
   }
 
   // The work items, (batch, head, split) numbered as ((b * H) + h) * splits + split, and the
@@ -208,7 +210,8 @@ class DecodePass {
   int64_t cost_of(int64_t item) const { return end_[item / n_split_ / H_]; }
 
   // Work item (batch, head, split): the split's share of the context, in whole chunks, into its
-  // partial softmax state.
+  // partial softmax state. An item that is its (batch, head)'s only split writes its output rows
+  // too, as merge() would (one parallel pass fewer: ~13 us of a decode step with the caches cold).
   void split(int64_t item, DecodeWorkspace<scalar_t>& ws) {
     const int64_t bh = item / n_split_, sp = item % n_split_;
     const int64_t b = bh / H_, h = bh % H_;
@@ -229,41 +232,53 @@ class DecodePass {
     } else {
       tiles(b, q, keys, values, ks, ke, o, m, l, ws);
     }
+    if (n_split_ == 1) {
+      merge_rows(bh, ws.pv.data());
+    }
   }
 
   // The splits of each (batch, head) merged: out = sum_s O_s e^(m_s - M) / sum_s l_s e^(m_s - M).
-  // After every item's split().
-  void merge(scalar_t* out) {
+  // After every item's split(); nothing to do where each (batch, head) is one split (split() wrote it).
+  void merge() {
+    if (n_split_ == 1) {
+      return;
+    }
     at::parallel_for(0, B_ * H_, 1, [&](int64_t begin, int64_t end_bh) {
       std::vector<acc_t> merged(hd_);
       for (int64_t bh = begin; bh < end_bh; ++bh) {
-        const int64_t b = bh / H_, h = bh % H_;
-        for (int64_t i = 0; i < t_; ++i) {
-          acc_t top = -std::numeric_limits<acc_t>::infinity();
-          for (int64_t sp = 0; sp < n_split_; ++sp) {
-            top = std::max(top, state(bh * n_split_ + sp)[t_ * hd_ + i]);
-          }
-          scalar_t* row = out + (b * t_ + i) * dim_ + h * hd_;
-          if (top == -std::numeric_limits<acc_t>::infinity()) {  // no visible key: output 0
-            std::fill(row, row + hd_, scalar_t(0));
-            continue;
-          }
-          std::fill(merged.begin(), merged.end(), acc_t(0));
-          acc_t total = 0;
-          for (int64_t sp = 0; sp < n_split_; ++sp) {
-            const acc_t* base = state(bh * n_split_ + sp);
-            const acc_t w = std::exp(base[t_ * hd_ + i] - top);  // 0 for a split that saw no key
-            total += base[t_ * hd_ + t_ + i] * w;
-            for (int64_t d = 0; d < hd_; ++d) {
-              merged[d] += base[i * hd_ + d] * w;
-            }
-          }
-          for (int64_t d = 0; d < hd_; ++d) {
-            row[d] = static_cast<scalar_t>(merged[d] / total);
-          }
-        }
+        merge_rows(bh, merged.data());
       }
     });
+  }
+
+ private:
+  // The output rows of (batch, head) bh from its splits' states (merged: hd_ values of scratch).
+  void merge_rows(int64_t bh, acc_t* merged) {
+    const int64_t b = bh / H_, h = bh % H_;
+    for (int64_t i = 0; i < t_; ++i) {
+      acc_t top = -std::numeric_limits<acc_t>::infinity();
+      for (int64_t sp = 0; sp < n_split_; ++sp) {
+        top = std::max(top, state(bh * n_split_ + sp)[t_ * hd_ + i]);
+      }
+      scalar_t* row = out_ + (b * t_ + i) * dim_ + h * hd_;
+      if (top == -std::numeric_limits<acc_t>::infinity()) {  // no visible key: output 0
+        std::fill(row, row + hd_, scalar_t(0));
+        continue;
+      }
+      std::fill(merged, merged + hd_, acc_t(0));
+      acc_t total = 0;
+      for (int64_t sp = 0; sp < n_split_; ++sp) {
+        const acc_t* base = state(bh * n_split_ + sp);
+        const acc_t w = std::exp(base[t_ * hd_ + i] - top);  // 0 for a split that saw no key
+        total += base[t_ * hd_ + t_ + i] * w;
+        for (int64_t d = 0; d < hd_; ++d) {
+          merged[d] += base[i * hd_ + d] * w;
+        }
+      }
+      for (int64_t d = 0; d < hd_; ++d) {
+        row[d] = static_cast<scalar_t>(merged[d] / total);
+      }
+    }
   }
 
  private:
@@ -329,6 +344,7 @@ class DecodePass {
   const int64_t state_stride_;  // acc_t per item's state: t (hd + 2), rounded up to whole cache lines
   std::vector<acc_t> partial_;
   acc_t* const states_;  // item 0's state: partial_'s first cache-line boundary
+  scalar_t* const out_;  // (B, t, dim)
 };
 
 }  // namespace
@@ -348,7 +364,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& qkv_in, const at::Tensor& k_ca
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "decode_attention", [&] {
-    DecodePass<scalar_t>(qkv, k_cache, v_cache, s, e, n_heads).run(out);
+    DecodePass<scalar_t>(qkv, k_cache, v_cache, s, e, n_heads, out.data_ptr<scalar_t>()).run();
   });
   return out;
 }
@@ -399,18 +415,37 @@ at::Tensor decode_layer_cpu(const at::Tensor& x_in, const at::Tensor& qkv_weight
                     "decode_layer: lengths is written in place and must not be an expanded view (its elements "
                     "overlap in memory); got strides ", lengths.strides());
   const auto start = lengths.contiguous();
-  const auto end = cache_end(start, key_padding_mask, t, k_cache.size(2));  // checked: right padding, room
+  const int64_t* s = start.data_ptr<int64_t>();
+  // The lengths after the step, checked (right padding, room): without a mask, computed and checked
+  // here (cache_end's tensor ops cost a decode step ~30 us with the caches cold, as a step runs).
+  std::vector<int64_t> end(B);
+  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
+    const auto end_t = cache_end(start, key_padding_mask, t, k_cache.size(2));
+    std::copy_n(end_t.const_data_ptr<int64_t>(), B, end.begin());
+  } else {
+    for (int64_t b = 0; b < B; ++b) {
+      end[b] = s[b] + t;
+    }
+    check_cache_positions(s, end.data(), B, t, k_cache.size(2));
+  }
+  // lengths = end, written in place last (a 1-D int64 CPU tensor of B elements without overlap,
+  // checked above); through its data where lengths.copy_ cost another op call.
+  const auto advance = [&] {
+    int64_t* l = lengths.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      l[b * lengths.stride(0)] = end[b];
+    }
+  };
   auto heads = at::empty({B, t, dim}, x_in.options());
   if (heads.numel() == 0) {
-    lengths.copy_(end);
+    advance();
     return heads;
   }
-  const int64_t* s = start.data_ptr<int64_t>();
-  const int64_t* e = end.data_ptr<int64_t>();
+  const int64_t* e = end.data();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x_in.scalar_type(), "decode_layer", [&] {
     const FewRowsProduct<scalar_t> project(x_in.reshape({B * t, dim}), qkv_weight, qkv_bias);
     const CacheRows<scalar_t> cache_rows(qkv, k_cache, v_cache, s, e, n_heads);
-    DecodePass<scalar_t> pass(qkv, k_cache, v_cache, s, e, n_heads);
+    DecodePass<scalar_t> pass(qkv, k_cache, v_cache, s, e, n_heads, heads.data_ptr<scalar_t>());
     scalar_t* qkv_ptr = qkv.data_ptr<scalar_t>();
     // The order: project head 0, project head 1, attend with head 0, project head 2, attend with
     // head 1, ... (an item < 0 projects head -1 - item). A head's projection is taken one head
@@ -471,10 +506,10 @@ at::Tensor decode_layer_cpu(const at::Tensor& x_in, const at::Tensor& qkv_weight
           pass.split(item, ws);
         },
         when_done);
-    pass.merge(heads.data_ptr<scalar_t>());
+    pass.merge();
   });
   auto out = few_rows_linear_cpu(heads, proj_weight, proj_bias);
-  lengths.copy_(end);
+  advance();
   return out;
 }
 

@@ -54,6 +54,9 @@ at::Tensor dropout_keep_mask(const at::Tensor& seed, int64_t B, int64_t H, int64
 // Generation: checks that 0 <= start <= end <= start + new_tokens and end <= max_len for every
 // sequence (ValueError naming the sequence; "KV cache overflow" past max_len).
 void check_cache_positions(const at::Tensor& start, const at::Tensor& end, int64_t new_tokens, int64_t max_len);
+// The same over `batch` positions in memory (no tensor: a decode step's checks cost no op call).
+void check_cache_positions(const int64_t* start, const int64_t* end, int64_t batch, int64_t new_tokens,
+                           int64_t max_len);
 
 // Generation: the cache lengths after a step of new_tokens tokens per sequence, key_padding_mask
 // (B, new_tokens) bool marking the real ones (right padding, checked) or none (all real). Each
