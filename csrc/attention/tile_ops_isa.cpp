@@ -1193,6 +1193,25 @@ CA_BF16_TARGET inline void transpose_16x16_epi32(const __m512i (&r)[16], c10::BF
   }
 }
 
+// Asks for `bytes` from p to be brought into L1 (prefetcht0; a hint, it never faults).
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* first = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) {
+    __builtin_prefetch(first + b, 0, 3);
+  }
+}
+
+// Row pairs ahead of the one pair_panels' row path packs: its rows sit a qkv row apart, a page or
+// more, so each is a miss of its own that the hardware prefetchers do not see coming.
+inline constexpr int64_t kPairsAhead = 8;
+
+// Rows r and r + 1 of pair_panels' row path (`cols` values each, rs apart), where they are rows of B.
+inline void prefetch_pair_rows(const c10::BFloat16* src, int64_t rs, int64_t k, int64_t r, int64_t cols) {
+  for (int64_t i = r; i < std::min(k, r + 2); ++i) {
+    prefetch_bytes(src + i * rs, cols * static_cast<int64_t>(sizeof(c10::BFloat16)));
+  }
+}
+
 // B (k x n, element (kk, j) = src[kk * rs + j * cs]) as pairs along k in panels of kPanel columns: pair
 // (p, j) = (B(2p, j), B(2p + 1, j)) at dst[(j / kPanel) * ps + p * 2 * kPanel + 2 * (j % kPanel)], ps =
 // 2 * ceil(k / 2) * kPanel; zero past n and, for an odd k, in the last pair's second half.
@@ -1200,21 +1219,35 @@ CA_BF16_TARGET void pair_panels(const c10::BFloat16* src, int64_t rs, int64_t cs
                                 c10::BFloat16* dst) {
   const int64_t k2 = (k + 1) / 2;
   const int64_t ps = 2 * k2 * kPanel;
-  for (int64_t j0 = 0; j0 < n; j0 += kPanel) {
+  int64_t whole = 0;  // columns in whole panels done by a vector path
+  if (cs == 1 && n >= kPanel) {
+    // B's rows: two rows' 16 values interleaved, a pair of rows at a time across every whole panel,
+    // so that each row is read once, from start to end.
+    whole = n / kPanel * kPanel;
+    for (int64_t p = 0; p < k2; ++p) {
+      const c10::BFloat16* row0 = src + 2 * p * rs;
+      const bool second = 2 * p + 1 < k;
+      prefetch_pair_rows(src, rs, k, 2 * (p + kPairsAhead), whole);
+      for (int64_t j0 = 0; j0 < whole; j0 += kPanel) {
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row0 + j0));
+        const __m256i hi = second ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row0 + rs + j0))
+                                  : _mm256_setzero_si256();
+        _mm512_storeu_si512(dst + (j0 / kPanel) * ps + p * 2 * kPanel, interleave16(lo, hi));
+      }
+    }
+  }
+  for (int64_t j0 = whole; j0 < n; j0 += kPanel) {
     c10::BFloat16* panel = dst + (j0 / kPanel) * ps;
     const int64_t width = std::min(kPanel, n - j0);
-    if (cs == 1 && width == kPanel) {  // B's rows: two rows' 16 values interleaved
-      for (int64_t p = 0; p < k2; ++p) {
-        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * p * rs + j0));
-        const __m256i hi = 2 * p + 1 < k
-                               ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + (2 * p + 1) * rs + j0))
-                               : _mm256_setzero_si256();
-        _mm512_storeu_si512(panel + p * 2 * kPanel, interleave16(lo, hi));
-      }
-      continue;
-    }
     int64_t p0 = 0;
     if (rs == 1 && width == kPanel) {  // B's columns (keys as rows): their pairs are adjacent already
+      // The next panel's 16 rows, asked for now: rows sit a qkv row apart (a page, or more), so each
+      // is a miss of its own that the prefetchers do not see coming.
+      if (j0 + 2 * kPanel <= n) {
+        for (int j = 0; j < kPanel; ++j) {
+          prefetch_bytes(src + (j0 + kPanel + j) * cs, k * static_cast<int64_t>(sizeof(c10::BFloat16)));
+        }
+      }
       for (; 2 * (p0 + 16) <= k; p0 += 16) {  // 16 keys x 16 pairs at a time, transposed in registers
         __m512i r[16];
         for (int j = 0; j < 16; ++j) {
