@@ -419,6 +419,42 @@ def test_decode_layer_errors_name_the_argument_and_change_nothing():
         out.sum().backward()
 
 
+def test_decode_layer_refuses_negative_and_huge_lengths_and_changes_nothing():
+    """Without a mask the step's end lengths are computed and checked in the op (no tensor op):
+    a negative length, and one so large that adding the new tokens overflows int64, are refused
+    with the positions' message before anything is written."""
+    attn, x, k, v, _, _ = _decode_layer_inputs(2, 1, 2, 8, 5, torch.float32, True)
+    w, b, pw, pb = attn.qkv.weight.detach(), attn.qkv.bias.detach(), attn.proj.weight.detach(), attn.proj.bias.detach()
+    k0, v0 = k.clone(), v.clone()
+    for bad in ([1, -1], [2, 2**63 - 1]):
+        lengths = torch.tensor(bad)
+        with torch.no_grad(), pytest.raises(ValueError, match=r"cache positions of sequence 1 must satisfy 0 <= start"):
+            ops.decode_layer(x, w, b, pw, pb, k, v, lengths, None, 2)
+        assert lengths.tolist() == bad
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
+def test_decode_layer_advances_strided_lengths_in_place(masked):
+    """lengths as a strided view (every other element of a buffer): the op gives the contiguous
+    lengths' output and cache, writes the view's elements only, and leaves the others alone."""
+    attn, x, k, v, lengths, mask = _decode_layer_inputs(3, 2, 2, 8, 6, torch.float32, True)
+    mask = mask if masked else None
+    w, b, pw, pb = attn.qkv.weight.detach(), attn.qkv.bias.detach(), attn.proj.weight.detach(), attn.proj.bias.detach()
+    base = torch.full((6,), -7)
+    base[::2] = lengths
+    strided = base[::2]
+    assert strided.stride() == (2,)
+    with torch.no_grad():
+        k1, v1, contiguous = k.clone(), v.clone(), lengths.clone()
+        expected = ops.decode_layer(x, w, b, pw, pb, k1, v1, contiguous, mask, 2)
+        out = ops.decode_layer(x, w, b, pw, pb, k, v, strided, mask, 2)
+    assert torch.equal(out, expected) and torch.equal(k, k1) and torch.equal(v, v1)
+    assert base[::2].tolist() == contiguous.tolist() and base[1::2].tolist() == [-7, -7, -7]
+    real = mask.sum(1) if masked else torch.full((3,), 2)
+    assert contiguous.tolist() == (lengths + real).tolist()
+
+
 def test_decode_layer_compiles_and_writes_the_cache():
     """torch.compile of the op (its meta kernel; the cache and lengths mutated in place) gives the
     eager bits."""

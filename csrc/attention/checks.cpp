@@ -79,7 +79,7 @@ std::optional<at::Tensor> normalize_key_padding_mask(const std::optional<at::Ten
 void check_cache_positions(const int64_t* start, const int64_t* end, int64_t batch, int64_t new_tokens,
                            int64_t max_len) {
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK_VALUE(0 <= start[b] && start[b] <= end[b] && end[b] <= start[b] + new_tokens,
+    TORCH_CHECK_VALUE(0 <= start[b] && start[b] <= end[b] && end[b] - start[b] <= new_tokens,  // no overflow
                       "cache positions of sequence ", b,
                       " must satisfy 0 <= start <= end <= start + new tokens (", new_tokens, "); got start=", start[b],
                       ", end=", end[b]);

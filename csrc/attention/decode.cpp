@@ -281,7 +281,6 @@ class DecodePass {
     }
   }
 
- private:
   // A few queries: stream each cached key and value row once per query (memory bound).
   void few_rows(int64_t b, const scalar_t* q, const scalar_t* keys, const scalar_t* values, int64_t ks, int64_t ke,
                 acc_t* o, acc_t* m, acc_t* l, DecodeWorkspace<scalar_t>& ws) const {
@@ -420,16 +419,18 @@ at::Tensor decode_layer_cpu(const at::Tensor& x_in, const at::Tensor& qkv_weight
   // here (cache_end's tensor ops cost a decode step ~30 us with the caches cold, as a step runs).
   std::vector<int64_t> end(B);
   if (key_padding_mask.has_value() && key_padding_mask->defined()) {
-    const auto end_t = cache_end(start, key_padding_mask, t, k_cache.size(2));
+    const auto end_t = cache_end(start, key_padding_mask, t, k_cache.size(2)).contiguous();
     std::copy_n(end_t.const_data_ptr<int64_t>(), B, end.begin());
   } else {
-    for (int64_t b = 0; b < B; ++b) {
-      end[b] = s[b] + t;
+    for (int64_t b = 0; b < B; ++b) {  // wrapping as ATen's add did (a length near 2^63 fails the check)
+      end[b] = static_cast<int64_t>(static_cast<uint64_t>(s[b]) + static_cast<uint64_t>(t));
     }
     check_cache_positions(s, end.data(), B, t, k_cache.size(2));
   }
   // lengths = end, written in place last (a 1-D int64 CPU tensor of B elements without overlap,
-  // checked above); through its data where lengths.copy_ cost another op call.
+  // checked above); through its data where lengths.copy_ cost another op call. Like the cache's
+  // keys and values, not through an in-place op: its version counter is not bumped here (through
+  // the dispatcher, the op's mutable schema stands for the write, and copy_ did not bump it there).
   const auto advance = [&] {
     int64_t* l = lengths.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) {
