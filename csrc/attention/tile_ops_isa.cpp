@@ -861,16 +861,17 @@ inline void weighted_rows(const acc_t* p, const scalar_t* v, int64_t ld, int64_t
   }
 }
 
-// Asks for rows r of x (each `bytes` long, ld elements apart) to be brought into L2 (prefetcht1).
-// Not into L1: a decode chunk's values (64 KB in float32) overflow Zen 4's 32 KB L1 and evicted
-// each other and the keys; into L2 the decode op went from 0.86 to 0.94 of `sum`'s read rate over
-// the same K and V (median of six alternating runs, float32).
-template <typename scalar_t>
+// Asks for rows r of x (each `bytes` long, ld elements apart) to be brought into L2 (prefetcht1,
+// kLocality 2) or L1 (prefetcht0, 3); a hint, it never faults. The decode chunk's values go to L2: a
+// chunk's values (64 KB in float32) overflow Zen 4's 32 KB L1 and evicted each other and the keys;
+// into L2 the decode op went from 0.86 to 0.94 of `sum`'s read rate over the same K and V (median of
+// six alternating runs, float32).
+template <int kLocality = 2, typename scalar_t>
 inline void prefetch_rows(const scalar_t* x, int64_t ld, int64_t rows, int64_t bytes) {
   for (int64_t r = 0; r < rows; ++r) {
     const char* row = reinterpret_cast<const char*>(x + r * ld);
     for (int64_t b = 0; b < bytes; b += 64) {
-      __builtin_prefetch(row + b, 0, 2);
+      __builtin_prefetch(row + b, 0, kLocality);
     }
   }
 }
@@ -1193,25 +1194,10 @@ CA_BF16_TARGET inline void transpose_16x16_epi32(const __m512i (&r)[16], c10::BF
   }
 }
 
-// Asks for `bytes` from p to be brought into L1 (prefetcht0; a hint, it never faults).
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  const char* first = static_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) {
-    __builtin_prefetch(first + b, 0, 3);
-  }
-}
-
-// Row pairs ahead of the one pair_panels' row path packs: its rows (of qkv, or of dO) sit thousands
-// of bytes apart (a qkv row of dim 768 in bfloat16: 4.5 KB), each a miss of its own that the hardware
-// prefetchers do not see coming.
+// Row pairs ahead of the one pair_panels' row path packs, asked into L1 meanwhile: its rows (of qkv,
+// or of dO) sit thousands of bytes apart (a qkv row of dim 768 in bfloat16: 4.5 KB), each a miss of
+// its own that the hardware prefetchers do not see coming.
 inline constexpr int64_t kPairsAhead = 8;
-
-// Rows r and r + 1 of pair_panels' row path (`cols` values each, rs apart), where they are rows of B.
-inline void prefetch_pair_rows(const c10::BFloat16* src, int64_t rs, int64_t k, int64_t r, int64_t cols) {
-  for (int64_t i = r; i < std::min(k, r + 2); ++i) {
-    prefetch_bytes(src + i * rs, cols * static_cast<int64_t>(sizeof(c10::BFloat16)));
-  }
-}
 
 // B (k x n, element (kk, j) = src[kk * rs + j * cs]) as pairs along k in panels of kPanel columns: pair
 // (p, j) = (B(2p, j), B(2p + 1, j)) at dst[(j / kPanel) * ps + p * 2 * kPanel + 2 * (j % kPanel)], ps =
@@ -1228,7 +1214,11 @@ CA_BF16_TARGET void pair_panels(const c10::BFloat16* src, int64_t rs, int64_t cs
     for (int64_t p = 0; p < k2; ++p) {
       const c10::BFloat16* row0 = src + 2 * p * rs;
       const bool second = 2 * p + 1 < k;
-      prefetch_pair_rows(src, rs, k, 2 * (p + kPairsAhead), whole);
+      const int64_t ahead = 2 * (p + kPairsAhead);  // the pair's first row
+      if (ahead < k) {
+        prefetch_rows<3>(src + ahead * rs, rs, std::min<int64_t>(2, k - ahead),
+                         whole * static_cast<int64_t>(sizeof(c10::BFloat16)));
+      }
       for (int64_t j0 = 0; j0 < whole; j0 += kPanel) {
         const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row0 + j0));
         const __m256i hi = second ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row0 + rs + j0))
@@ -1244,9 +1234,7 @@ CA_BF16_TARGET void pair_panels(const c10::BFloat16* src, int64_t rs, int64_t cs
     if (rs == 1 && width == kPanel) {  // B's columns (keys as rows): their pairs are adjacent already
       // The next panel's 16 rows, asked for now (rows far apart, as for the row path above).
       if (j0 + 2 * kPanel <= n) {
-        for (int j = 0; j < kPanel; ++j) {
-          prefetch_bytes(src + (j0 + kPanel + j) * cs, k * static_cast<int64_t>(sizeof(c10::BFloat16)));
-        }
+        prefetch_rows<3>(src + (j0 + kPanel) * cs, cs, kPanel, k * static_cast<int64_t>(sizeof(c10::BFloat16)));
       }
       for (; 2 * (p0 + 16) <= k; p0 += 16) {  // 16 keys x 16 pairs at a time, transposed in registers
         __m512i r[16];
