@@ -361,6 +361,61 @@ def test_the_modules_decode_step_is_the_fused_op_and_a_prefill_is_not():
     assert cache.lengths.tolist() == [9, 9]
 
 
+def test_a_decode_step_without_a_mask_dispatches_only_the_fused_op():
+    """forward's lean decode step (no mask, few rows): the one decode_layer op and nothing else
+    dispatched, none of the general path's Python checks run (the op makes them), and the general
+    path's output and lengths."""
+    attn = CausalSelfAttention(32, 4)
+    x = torch.randn(2, 6, 32)
+    with torch.no_grad():
+        full = attn(x)
+        cache = attn.make_cache(2, 8)
+        attn(x[:, :5], cache=cache)
+        last = x[:, 5:]
+
+        def general_check(*args: object) -> None:
+            raise AssertionError("the general path's checks ran")
+
+        attn._check_x = attn._check_cache = general_check  # type: ignore[method-assign]
+        with _OpLog() as step:
+            y = attn(last, cache=cache)
+    assert step.names == ["causal_attention.decode_layer.default"]
+    assert rel_err(y, full[:, 5:]) <= 1e-5
+    assert cache.lengths.tolist() == [6, 6]
+
+
+@pytest.mark.parametrize("case", ["cache_dtype", "cache_batch", "cache_full", "weight_dtype", "x_width"])
+def test_a_refused_lean_decode_step_raises_forwards_error_and_changes_nothing(case):
+    """Where the fused op refuses a step that forward's lean path gave it, nothing is written and
+    the general path's checks raise their error, which names forward's argument (or, where they
+    pass, the op's own error is raised: the cache's room)."""
+    attn = CausalSelfAttention(16, 2)
+    B, dtype, width, max_len = 2, torch.float32, 16, 6
+    if case == "cache_dtype":
+        cache = attn.make_cache(B, max_len, dtype=torch.float64)
+        error, match = ValueError, "cache must match x's dtype and device"
+    elif case == "cache_batch":
+        cache = attn.make_cache(3, max_len)
+        error, match = ValueError, r"cache must hold \(B, n_heads, max_len, head_dim\)"
+    elif case == "cache_full":
+        cache = attn.make_cache(B, max_len)
+        cache.lengths.fill_(max_len)
+        error, match = ValueError, "KV cache overflow"
+    elif case == "weight_dtype":  # x and the cache in float64, the weights in float32
+        dtype = torch.float64
+        cache = attn.make_cache(B, max_len, dtype=dtype)
+        error, match = RuntimeError, "dtype"
+    else:
+        width = 8
+        cache = attn.make_cache(B, max_len)
+        error, match = ValueError, "x must have last dimension dim=16"
+    cache.k.normal_()
+    before = (cache.k.clone(), cache.v.clone(), cache.lengths.clone())
+    with torch.no_grad(), pytest.raises(error, match=match):
+        attn(torch.randn(B, 1, width, dtype=dtype), cache=cache)
+    assert all(torch.equal(a, b) for a, b in zip(before, (cache.k, cache.v, cache.lengths)))
+
+
 @pytest.mark.parametrize("case", ["sdpa_backend", "grad_mode_frozen_weights", "nine_rows"])
 def test_steps_the_fused_op_does_not_take(case):
     """Where a projection would not take few_rows_matmul's engine path, or the attention not the
@@ -381,6 +436,7 @@ def test_steps_the_fused_op_does_not_take(case):
     assert cache.lengths.tolist() == [5 + t] * B
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # (a cached step refuses autocast's dtype)
         assert attn._decode_layer(x[:, 5:], None, cache) is None
+        assert attn._decode_step(x[:, 5:], cache) is None
 
 
 def test_an_inference_mode_cache_is_stepped_in_inference_mode_only():

@@ -29,7 +29,8 @@ Rows:
 - module: the whole layer: ours; nn.MultiheadAttention (need_weights=False) with the same masks.
 - memory: extra peak memory (resident set) of the kernel's forward+backward, in a fresh process.
 - generation: one decode step (the whole layer, and the attention op alone) in float32, bfloat16
-  and float16, timed in one interleaved group, with each half-precision time against float32's;
+  and float16, timed in one interleaved group (each call after an untimed 64 MB read: clean, cold
+  caches, as a step finds them in a model), with each half-precision time against float32's;
   with them the float32 layer's step op by op (what its fused decode_layer op replaces) and the
   decode target's attainable best: torch's sum over the bytes the float32 layer
   reads (weights, K, V), credited with the same K and V bytes; then a tiny GPT generating with the
@@ -297,8 +298,13 @@ def decode_rows(*, B: int = 8, ctx: int = 2048, dim: int = 768, H: int = 12,
     # The ceiling, interleaved with them: a copy of as many bytes as the float32 K and V hold.
     src, dst = torch.randn(2 * B * H * ctx * hd), torch.empty(2 * B * H * ctx * hd)
     fns["copy"] = lambda: dst.copy_(src)
+    # Every call starts from the same state: after an untimed read of 64 MB (twice Zen 4's 32 MB L3),
+    # the caches hold clean lines, as a layer's step finds them after the previous layer streamed
+    # its weights. Without it, rotation kept the calls in one cyclic order, and the call after the
+    # copy (the float32 layer) paid for writing back the copy's dirty lines: 0.2-0.3 ms of ~4.5.
+    settle = torch.ones(16 * 2**20)
     with torch.no_grad():
-        times = interleaved_times(fns, repeats=repeats, warmup=2)
+        times = interleaved_times(fns, repeats=repeats, warmup=2, after_call=settle.sum)
     t = medians(times)
     copy_bytes = 2 * src.numel() * 4  # read + write
     copy_gbs = copy_bytes / t["copy"] / 1e9
