@@ -363,12 +363,10 @@ def test_the_modules_decode_step_is_the_fused_op_and_a_prefill_is_not():
 
 def test_a_decode_step_without_a_mask_dispatches_only_the_fused_op():
     """forward's lean decode step (no mask, few rows): the one decode_layer op and nothing else
-    dispatched, none of the general path's Python checks run (the op makes them), and the general
-    path's output and lengths."""
+    dispatched, and none of the general path's Python checks run (the op makes them)."""
     attn = CausalSelfAttention(32, 4)
     x = torch.randn(2, 6, 32)
     with torch.no_grad():
-        full = attn(x)
         cache = attn.make_cache(2, 8)
         attn(x[:, :5], cache=cache)
         last = x[:, 5:]
@@ -378,42 +376,91 @@ def test_a_decode_step_without_a_mask_dispatches_only_the_fused_op():
 
         attn._check_x = attn._check_cache = general_check  # type: ignore[method-assign]
         with _OpLog() as step:
-            y = attn(last, cache=cache)
+            attn(last, cache=cache)
     assert step.names == ["causal_attention.decode_layer.default"]
-    assert rel_err(y, full[:, 5:]) <= 1e-5
     assert cache.lengths.tolist() == [6, 6]
 
 
-@pytest.mark.parametrize("case", ["cache_dtype", "cache_batch", "cache_full", "weight_dtype", "x_width"])
-def test_a_refused_lean_decode_step_raises_forwards_error_and_changes_nothing(case):
-    """Where the fused op refuses a step that forward's lean path gave it, nothing is written and
-    the general path's checks raise their error, which names forward's argument (or, where they
-    pass, the op's own error is raised: the cache's room)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("B, t", [(1, 1), (2, 3), (8, 1), (4, 2)])
+def test_the_lean_decode_step_gives_the_general_paths_bits(dtype, bias, B, t):
+    """The lean step and forward's general path (the lean one switched off) on copies of one cache
+    with ragged lengths: output, keys, values and lengths bit for bit the same."""
+    attn = CausalSelfAttention(32, 4, bias=bias, dtype=dtype)
+    general = CausalSelfAttention(32, 4, bias=bias, dtype=dtype)
+    general.load_state_dict(attn.state_dict())
+    general._decode_step = lambda x, cache: None  # type: ignore[method-assign]
+    cache = attn.make_cache(B, 12)
+    cache.k.normal_()
+    cache.v.normal_()
+    cache.lengths.copy_(torch.randint(0, 12 - t + 1, (B,)))
+    twin = KVCache(cache.k.clone(), cache.v.clone(), cache.lengths.clone())
+    x = torch.randn(B, t, 32, dtype=dtype)
+    with torch.no_grad(), _OpLog() as lean_ops:
+        lean = attn(x, cache=cache)
+    with torch.no_grad():
+        expected = general(x, cache=twin)
+    assert lean_ops.names == ["causal_attention.decode_layer.default"]
+    assert torch.equal(lean, expected)
+    assert all(torch.equal(a, b) for a, b in zip((cache.k, cache.v, cache.lengths), (twin.k, twin.v, twin.lengths)))
+
+
+def _refused_step_case(case: str) -> tuple[CausalSelfAttention, KVCache, torch.Tensor, type, str]:
     attn = CausalSelfAttention(16, 2)
-    B, dtype, width, max_len = 2, torch.float32, 16, 6
+    B = 2
+    x = torch.randn(B, 1, 16)
+    cache = attn.make_cache(B, 6)
     if case == "cache_dtype":
-        cache = attn.make_cache(B, max_len, dtype=torch.float64)
-        error, match = ValueError, "cache must match x's dtype and device"
-    elif case == "cache_batch":
-        cache = attn.make_cache(3, max_len)
-        error, match = ValueError, r"cache must hold \(B, n_heads, max_len, head_dim\)"
-    elif case == "cache_full":
-        cache = attn.make_cache(B, max_len)
-        cache.lengths.fill_(max_len)
-        error, match = ValueError, "KV cache overflow"
-    elif case == "weight_dtype":  # x and the cache in float64, the weights in float32
-        dtype = torch.float64
-        cache = attn.make_cache(B, max_len, dtype=dtype)
-        error, match = RuntimeError, "dtype"
-    else:
-        width = 8
-        cache = attn.make_cache(B, max_len)
-        error, match = ValueError, "x must have last dimension dim=16"
+        cache = attn.make_cache(B, 6, dtype=torch.float64)
+        return attn, cache, x, ValueError, "cache must match x's dtype and device .* got keys"
+    if case == "value_dtype":
+        cache.v = cache.v.double()
+        return attn, cache, x, ValueError, "cache must match x's dtype and device .* got values in"
+    if case == "cache_batch":
+        return attn, attn.make_cache(3, 6), x, ValueError, r"cache must hold \(B, n_heads, max_len, head_dim\)"
+    if case == "integer_x":
+        return attn, cache, torch.ones(B, 1, 16, dtype=torch.int64), TypeError, "x must be a floating-point tensor"
+    if case == "weight_dtype":  # x and the cache in float64, the weights in float32: the op's error
+        return attn, attn.make_cache(B, 6, dtype=torch.float64), x.double(), TypeError, "qkv_weight dtype"
+    if case == "noncontiguous_cache":  # passes forward's checks: the op's error
+        cache.k = torch.zeros(B, 2, 8, 6).transpose(2, 3)
+        return attn, cache, x, ValueError, "the KV cache buffers must be contiguous"
+    if case == "int32_lengths":
+        cache.lengths = cache.lengths.int()
+        return attn, cache, x, TypeError, "cache lengths must be an int64 tensor"
+    if case == "cache_full":
+        cache.lengths.fill_(6)
+        return attn, cache, x, ValueError, "KV cache overflow"
+    assert case == "x_width"  # refused in Python before the op
+    return attn, cache, torch.randn(B, 1, 8), ValueError, "x must have last dimension dim=16"
+
+
+@pytest.mark.parametrize("case", ["cache_dtype", "value_dtype", "cache_batch", "integer_x", "weight_dtype",
+                                  "noncontiguous_cache", "int32_lengths", "cache_full", "x_width"])
+def test_a_refused_lean_decode_step_raises_forwards_error_and_changes_nothing(case):
+    """Where the fused op refuses a step that forward's lean path gave it, nothing is written, the
+    op is called once (a step is never applied twice), and forward's checks raise their error,
+    which names forward's argument, where one applies; otherwise the op's error is raised."""
+    attn, cache, x, error, match = _refused_step_case(case)
     cache.k.normal_()
     before = (cache.k.clone(), cache.v.clone(), cache.lengths.clone())
-    with torch.no_grad(), pytest.raises(error, match=match):
-        attn(torch.randn(B, 1, width, dtype=dtype), cache=cache)
+    with torch.no_grad(), _OpLog() as ops, pytest.raises(error, match=match):
+        attn(x, cache=cache)
+    assert ops.names.count("causal_attention.decode_layer.default") <= 1
     assert all(torch.equal(a, b) for a, b in zip(before, (cache.k, cache.v, cache.lengths)))
+
+
+def test_a_fake_tensor_step_takes_the_general_paths_checks():
+    """Under FakeTensorMode the op's fake kernel checks nothing: a fake step takes forward's
+    general path, whose checks refuse a cache of the wrong batch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), torch.no_grad():
+        attn = CausalSelfAttention(16, 2)
+        with pytest.raises(ValueError, match=r"cache must hold \(B, n_heads, max_len, head_dim\)"):
+            attn(torch.randn(2, 1, 16), cache=attn.make_cache(3, 6))
+        assert attn(torch.randn(2, 1, 16), cache=attn.make_cache(2, 6)).shape == (2, 1, 16)
 
 
 @pytest.mark.parametrize("case", ["sdpa_backend", "grad_mode_frozen_weights", "nine_rows"])

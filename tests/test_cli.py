@@ -301,3 +301,22 @@ def test_convert_errors_name_the_problem(tmp_path: Path) -> None:
     tanh = subprocess.run([sys.executable, "-m", "causal_attention", "convert", "--from", "ours", str(tmp_path / "m"),
                            "--to", "nanogpt", "--out", str(tmp_path / "n")], capture_output=True, text=True)
     assert tanh.returncode == 2 and "exact GELU" in tanh.stderr and not (tmp_path / "n").exists()
+
+
+def test_last_level_cache_bytes_sums_the_distinct_l3_caches(tmp_path: Path) -> None:
+    """The decode rows' settling read is sized from the L3 that sysfs lists: each distinct L3 (by
+    the CPUs that share it) once, other levels left out; the default where none is listed."""
+    from causal_attention.bench import last_level_cache_bytes
+
+    def cache(cpu: int, index: int, level: int, size: str, shared: str) -> None:
+        d = tmp_path / f"cpu{cpu}" / "cache" / f"index{index}"
+        d.mkdir(parents=True)
+        (d / "level").write_text(f"{level}\n")
+        (d / "size").write_text(f"{size}\n")
+        (d / "shared_cpu_list").write_text(f"{shared}\n")
+
+    assert last_level_cache_bytes(root=tmp_path, default=123) == 123
+    for cpu in range(4):  # two 32 MB L3s, shared by CPUs 0-1 and 2-3; a private 1 MB L2 each
+        cache(cpu, 2, 2, "1024K", str(cpu))
+        cache(cpu, 3, 3, "32768K", "0-1" if cpu < 2 else "2-3")
+    assert last_level_cache_bytes(root=tmp_path) == 64 * 2**20

@@ -64,8 +64,8 @@ void check_cache(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Ten
   TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "v_cache must have the shape of k_cache ", k_cache.sizes(),
                     "; got ", v_cache.sizes());
   TORCH_CHECK_TYPE(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
-                   "the KV cache dtype (", k_cache.scalar_type(), ") must match the input's (", qkv.scalar_type(),
-                   ")");
+                   "the KV cache dtype (k_cache ", k_cache.scalar_type(), ", v_cache ", v_cache.scalar_type(),
+                   ") must match the input's (", qkv.scalar_type(), ")");
   TORCH_CHECK_VALUE(k_cache.device() == qkv.device() && v_cache.device() == qkv.device() &&
                         start.device() == qkv.device(),
                     "the KV cache must be on the input's device (", qkv.device(), ")");

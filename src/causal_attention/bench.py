@@ -29,8 +29,8 @@ Rows:
 - module: the whole layer: ours; nn.MultiheadAttention (need_weights=False) with the same masks.
 - memory: extra peak memory (resident set) of the kernel's forward+backward, in a fresh process.
 - generation: one decode step (the whole layer, and the attention op alone) in float32, bfloat16
-  and float16, timed in one interleaved group (each call after an untimed 64 MB read: clean, cold
-  caches, as a step finds them in a model), with each half-precision time against float32's;
+  and float16, timed in one interleaved group (each call after an untimed read of twice the L3, at least
+  64 MB: clean, cold caches, as a step finds them in a model), with each half-precision time against float32's;
   with them the float32 layer's step op by op (what its fused decode_layer op replaces) and the
   decode target's attainable best: torch's sum over the bytes the float32 layer
   reads (weights, K, V), credited with the same K and V bytes; then a tiny GPT generating with the
@@ -239,6 +239,23 @@ def _module_impls(T: int, dim: int, H: int, mask: Tensor | None, dtype: torch.dt
     return impls
 
 
+def last_level_cache_bytes(*, default: int = 32 * 2**20, root: Path = Path("/sys/devices/system/cpu")) -> int:
+    """The machine's total L3: the sizes of the distinct L3 caches (by the CPUs sharing each) that
+    Linux's sysfs lists under root, or default where it lists none."""
+    caches: dict[str, int] = {}
+    for index in root.glob("cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            if (index / "level").read_text().strip() != "3":
+                continue
+            size = (index / "size").read_text().strip()  # e.g. "32768K"
+            shared = (index / "shared_cpu_list").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        caches[shared] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    return sum(caches.values()) or default
+
+
 DECODE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DECODE_READ_ROW = "decode step: read only (torch.sum over the layer's bytes)"
 DECODE_UNFUSED_ROW = "decode step: whole layer, op by op (no decode_layer)"
@@ -298,11 +315,14 @@ def decode_rows(*, B: int = 8, ctx: int = 2048, dim: int = 768, H: int = 12,
     # The ceiling, interleaved with them: a copy of as many bytes as the float32 K and V hold.
     src, dst = torch.randn(2 * B * H * ctx * hd), torch.empty(2 * B * H * ctx * hd)
     fns["copy"] = lambda: dst.copy_(src)
-    # Every call starts from the same state: after an untimed read of 64 MB (twice Zen 4's 32 MB L3),
-    # the caches hold clean lines, as a layer's step finds them after the previous layer streamed
-    # its weights. Without it, rotation kept the calls in one cyclic order, and the call after the
-    # copy (the float32 layer) paid for writing back the copy's dirty lines: 0.2-0.3 ms of ~4.5.
-    settle = torch.ones(16 * 2**20)
+    # Every call starts from the same state: after an untimed read of twice the machine's L3 (at
+    # least 64 MB), the caches hold clean lines, as a layer's step finds them after the previous
+    # layer streamed its weights. Without it, rotation kept the calls in one cyclic order: the call
+    # after the copy (the float32 layer) paid for writing back the copy's dirty lines, 0.2-0.3 ms of
+    # ~4.5, and the op and read rows followed a call over the same K and V, part of it still in L3.
+    # (The copy's last dirty lines are now written back in the untimed read: its rate, the
+    # ceiling, is if anything a little high, and the fractions of it a little low.)
+    settle = torch.ones(max(64 * 2**20, 2 * last_level_cache_bytes()) // 4)
     with torch.no_grad():
         times = interleaved_times(fns, repeats=repeats, warmup=2, after_call=settle.sum)
     t = medians(times)

@@ -246,22 +246,24 @@ class CausalSelfAttention(nn.Module):
         return backends.RUN[name](qkv, key_padding_mask, self.n_heads, dropout_p)  # (B, T, dim)
 
     def _decode_step(self, x: Tensor, cache: KVCache) -> Tensor | None:
-        """forward(x, cache=cache) without a mask, by the fused decode_layer op, with only the checks
-        that the op does not make itself; None (forward's general path) wherever the op would not
-        apply or refuses its arguments. x: (B, t, dim). Returns (B, t, dim).
+        """forward(x, cache=cache) without a mask, by the fused decode_layer op, asking in Python only
+        whether the op applies (the general path's _decode_layer conditions) and what the op cannot
+        see (grad mode, tracing, autocast, inference tensors); None (forward's general path)
+        wherever it does not apply. x: (B, t, dim). Returns (B, t, dim).
 
         A decode step's Python runs with the caches that the previous layer's streaming left cold:
         forward's general checks, then _decode_layer's, cost a float32 step of B=8, ctx 2048 about
-        0.1-0.2 ms of its ~4 ms. The op checks every shape, dtype, device and position before it
-        writes anything (the keys and values, the lengths last); when it refuses, nothing is
-        written, and the general path runs its checks, whose errors name forward's arguments (or,
-        where they pass, calls the op again and raises its error).
+        0.1 ms of its ~4 ms. The op checks the shapes, dtypes, devices and positions before it
+        writes anything (the keys and values, the lengths last). Where it raises, forward's own
+        checks run and raise theirs where one applies (naming forward's arguments); otherwise the
+        op's error is raised. The op is never called a second time: a step is not applied twice.
+        A tensor subclass (a FakeTensor: the op's fake kernel checks nothing) takes the general path.
         """
         if (
             torch.is_grad_enabled()  # the general path refuses a cache that could want a gradient
             or self.backend not in ("auto", "cpp")
+            or type(x) is not Tensor
             or not isinstance(cache, KVCache)
-            or not isinstance(x, Tensor)
             or _tracing()  # asked before the shapes: see _few_rows_step
             or not x.is_cpu
             or x.dim() != 3
@@ -278,8 +280,10 @@ class CausalSelfAttention(nn.Module):
         try:
             return torch.ops.causal_attention.decode_layer(x, qkv.weight, qkv.bias, proj.weight, proj.bias, k, v,
                                                            lengths, None, self.n_heads)
-        except (RuntimeError, ValueError, TypeError):  # refused before any write: see above
-            return None
+        except (RuntimeError, ValueError, TypeError):
+            self._check_x(x)
+            self._check_cache(cache, x, "x")
+            raise
 
     def _decode_layer(self, x: Tensor, mask: Tensor | None, cache: KVCache) -> Tensor | None:
         """A decode step (x: (B, t, dim) with B * t <= FEW_ROWS) by the engine's fused decode_layer op:
@@ -306,14 +310,16 @@ class CausalSelfAttention(nn.Module):
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache; got {type(cache).__name__}")
         expected = (x.shape[0], self.n_heads, cache.max_len, self.head_dim)
-        if tuple(cache.k.shape) != expected or tuple(cache.v.shape) != expected:
-            raise ValueError(
-                f"cache must hold (B, n_heads, max_len, head_dim) = {expected} keys and values; got {tuple(cache.k.shape)}"
-            )
-        if cache.k.dtype != x.dtype or cache.k.device != x.device:
-            raise ValueError(
-                f"cache must match {x_name}'s dtype and device ({x.dtype}, {x.device}); got ({cache.k.dtype}, {cache.k.device})"
-            )
+        for name, buffer in (("keys", cache.k), ("values", cache.v)):
+            if tuple(buffer.shape) != expected:
+                raise ValueError(
+                    f"cache must hold (B, n_heads, max_len, head_dim) = {expected} {name}; got {tuple(buffer.shape)}"
+                )
+            if buffer.dtype != x.dtype or buffer.device != x.device:
+                raise ValueError(
+                    f"cache must match {x_name}'s dtype and device ({x.dtype}, {x.device}); got {name} in "
+                    f"({buffer.dtype}, {buffer.device})"
+                )
         if not _tracing() and not torch.is_inference_mode_enabled() and (
             cache.k.is_inference() or cache.v.is_inference() or cache.lengths.is_inference()
         ):
