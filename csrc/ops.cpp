@@ -17,6 +17,9 @@
 // calls attention_forward / attention_backward with autograd registered through torch.library
 // (_ops.py), so that torch.func transforms work. Meta kernels (shapes only, symbolic sizes) are
 // registered here, so torch.compile and torch.export trace every op with just the library loaded.
+#include <initializer_list>
+#include <utility>
+
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -145,25 +148,51 @@ at::Tensor dropout_keep_mask_meta(const at::Tensor& /*seed*/, int64_t B, int64_t
   return at::empty({B, H, T, T}, at::TensorOptions().dtype(at::kBool).device(at::kMeta));
 }
 
-void kv_cache_write_meta(const at::Tensor& /*qkv*/, const at::Tensor& /*k_cache*/, const at::Tensor& /*v_cache*/,
-                         const at::Tensor& /*start*/, const at::Tensor& /*end*/, int64_t /*n_heads*/) {}
+// The dispatcher runs a meta kernel wherever any argument is on the meta device. With the others on
+// a real device, the kernel would return an uninitialised tensor there, and the real kernel's device
+// checks would never run: so every meta kernel of an op that takes several tensors checks that they
+// share the first one's device (under FakeTensorMode, torch.compile and torch.export all are meta).
+using NamedTensor = std::pair<const char*, const at::Tensor*>;
 
-at::Tensor decode_attention_meta(const at::Tensor& qkv, const at::Tensor& /*k_cache*/, const at::Tensor& /*v_cache*/,
-                                 const at::Tensor& /*start*/, const at::Tensor& /*end*/, int64_t /*n_heads*/) {
+void check_one_device(const char* op, const char* first_name, const at::Tensor& first,
+                      std::initializer_list<NamedTensor> others) {
+  for (const auto& [name, t] : others) {
+    TORCH_CHECK_VALUE(t == nullptr || !t->defined() || t->device() == first.device(), op, ": ", name,
+                      " must be on ", first_name, "'s device (", first.device(), "); got ", t->device());
+  }
+}
+
+const at::Tensor* maybe(const OptionalTensor& t) { return t.has_value() ? &*t : nullptr; }
+
+void kv_cache_write_meta(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& start, const at::Tensor& end, int64_t /*n_heads*/) {
+  check_one_device("kv_cache_write", "qkv", qkv,
+                   {{"k_cache", &k_cache}, {"v_cache", &v_cache}, {"start", &start}, {"end", &end}});
+}
+
+at::Tensor decode_attention_meta(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& start, const at::Tensor& end, int64_t /*n_heads*/) {
+  check_one_device("decode_attention", "qkv", qkv,
+                   {{"k_cache", &k_cache}, {"v_cache", &v_cache}, {"start", &start}, {"end", &end}});
   return heads_like(qkv);
 }
 
-at::Tensor few_rows_linear_meta(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& /*bias*/) {
+at::Tensor few_rows_linear_meta(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias) {
+  check_one_device("few_rows_linear", "x", x, {{"weight", &weight}, {"bias", maybe(bias)}});
   auto sizes = x.sym_sizes().vec();
   TORCH_CHECK_VALUE(!sizes.empty() && weight.dim() == 2, "few_rows_linear: x (..., in) and weight (out, in)");
   sizes.back() = weight.sym_size(0);
   return at::empty_symint(sizes, x.options());
 }
 
-at::Tensor decode_layer_meta(const at::Tensor& x, const at::Tensor& /*qkv_weight*/, const OptionalTensor& /*qkv_bias*/,
-                             const at::Tensor& /*proj_weight*/, const OptionalTensor& /*proj_bias*/,
-                             const at::Tensor& /*k_cache*/, const at::Tensor& /*v_cache*/, const at::Tensor& /*lengths*/,
-                             const OptionalTensor& /*key_padding_mask*/, int64_t /*n_heads*/) {
+at::Tensor decode_layer_meta(const at::Tensor& x, const at::Tensor& qkv_weight, const OptionalTensor& qkv_bias,
+                             const at::Tensor& proj_weight, const OptionalTensor& proj_bias, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& lengths,
+                             const OptionalTensor& key_padding_mask, int64_t /*n_heads*/) {
+  check_one_device("decode_layer", "x", x,
+                   {{"qkv_weight", &qkv_weight}, {"qkv_bias", maybe(qkv_bias)}, {"proj_weight", &proj_weight},
+                    {"proj_bias", maybe(proj_bias)}, {"k_cache", &k_cache}, {"v_cache", &v_cache},
+                    {"lengths", &lengths}, {"key_padding_mask", maybe(key_padding_mask)}});
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
@@ -171,8 +200,9 @@ at::Tensor mask_to_bool_meta(const at::Tensor& key_padding_mask) {
   return at::empty_symint(key_padding_mask.sym_sizes(), key_padding_mask.options().dtype(at::kBool));
 }
 
-at::Tensor cache_end_meta(const at::Tensor& lengths, const OptionalTensor& /*mask*/, int64_t /*new_tokens*/,
+at::Tensor cache_end_meta(const at::Tensor& lengths, const OptionalTensor& mask, int64_t /*new_tokens*/,
                           int64_t /*max_len*/) {
+  check_one_device("cache_end", "lengths", lengths, {{"key_padding_mask", maybe(mask)}});
   return at::empty_symint(lengths.sym_sizes(), lengths.options());
 }
 

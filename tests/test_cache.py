@@ -451,6 +451,47 @@ def test_a_refused_lean_decode_step_raises_forwards_error_and_changes_nothing(ca
     assert all(torch.equal(a, b) for a, b in zip(before, (cache.k, cache.v, cache.lengths)))
 
 
+@pytest.mark.parametrize("on_meta", ["weights", "cache", "lengths"])
+def test_a_step_with_some_tensors_on_meta_is_refused(on_meta):
+    """The op's meta kernel runs when any argument is on the meta device: it refuses tensors on
+    different devices (an uninitialised output came back) and nothing is written."""
+    attn = CausalSelfAttention(16, 2, device="meta" if on_meta == "weights" else None)
+    cache = attn.make_cache(2, 6, device="cpu")
+    if on_meta == "cache":
+        cache.k = cache.k.to("meta")
+    elif on_meta == "lengths":
+        cache.lengths = cache.lengths.to("meta")
+    with torch.no_grad(), pytest.raises(ValueError, match="device"):
+        attn(torch.randn(2, 1, 16), cache=cache)
+    if on_meta != "lengths":
+        assert cache.lengths.tolist() == [0, 0]
+
+
+class _RaiseAfter(TorchDispatchMode):
+    """Runs each op, then raises (a failure after the fused op has written)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        func(*args, **(kwargs or {}))
+        raise RuntimeError("failed after the op ran")
+
+
+def test_a_step_that_fails_after_writing_is_applied_once():
+    attn = CausalSelfAttention(16, 2)
+    cache = attn.make_cache(2, 6)
+    x = torch.randn(2, 1, 16)
+    with torch.no_grad(), _RaiseAfter(), pytest.raises(RuntimeError, match="failed after the op ran"):
+        attn(x, cache=cache)
+    assert cache.lengths.tolist() == [1, 1]  # advanced once: the step was not run again
+
+
+def test_a_cache_of_the_wrong_rank_is_named():
+    attn = CausalSelfAttention(16, 2)
+    cache = attn.make_cache(2, 6)
+    cache.k = cache.k[0]
+    with torch.no_grad(), pytest.raises(ValueError, match=r"cache must hold 4-D \(B, n_heads, max_len, head_dim\)"):
+        attn(torch.randn(2, 1, 16), cache=cache)
+
+
 def test_a_fake_tensor_step_takes_the_general_paths_checks():
     """Under FakeTensorMode the op's fake kernel checks nothing: a fake step takes forward's
     general path, whose checks refuse a cache of the wrong batch."""

@@ -305,7 +305,8 @@ def test_convert_errors_name_the_problem(tmp_path: Path) -> None:
 
 def test_last_level_cache_bytes_sums_the_distinct_l3_caches(tmp_path: Path) -> None:
     """The decode rows' settling read is sized from the L3 that sysfs lists: each distinct L3 (by
-    the CPUs that share it) once, other levels left out; the default where none is listed."""
+    the CPUs that share it) that the process's CPUs use, once; other levels and unreadable entries
+    left out; at most the cap; the default where none is listed."""
     from causal_attention.bench import last_level_cache_bytes
 
     def cache(cpu: int, index: int, level: int, size: str, shared: str) -> None:
@@ -319,4 +320,13 @@ def test_last_level_cache_bytes_sums_the_distinct_l3_caches(tmp_path: Path) -> N
     for cpu in range(4):  # two 32 MB L3s, shared by CPUs 0-1 and 2-3; a private 1 MB L2 each
         cache(cpu, 2, 2, "1024K", str(cpu))
         cache(cpu, 3, 3, "32768K", "0-1" if cpu < 2 else "2-3")
-    assert last_level_cache_bytes(root=tmp_path) == 64 * 2**20
+    cache(4, 3, 3, "32M", "4,6")  # other spellings of a size
+    cache(5, 3, 3, "33554432", "5,7")
+    cache(8, 3, 3, "32768kB", "8-9")
+    cache(10, 3, 3, "", "10-11")  # unreadable: left out
+    every = set(range(12))
+    assert last_level_cache_bytes(root=tmp_path, cpus=every) == 5 * 32 * 2**20
+    assert last_level_cache_bytes(root=tmp_path, cpus={1}) == 32 * 2**20  # only the L3 this process can use
+    assert last_level_cache_bytes(root=tmp_path, cpus={0, 3, 6}) == 3 * 32 * 2**20
+    assert last_level_cache_bytes(root=tmp_path, cpus={10}, default=7) == 7
+    assert last_level_cache_bytes(root=tmp_path, cpus=every, cap=40 * 2**20) == 40 * 2**20

@@ -40,6 +40,7 @@ Rows:
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -239,21 +240,36 @@ def _module_impls(T: int, dim: int, H: int, mask: Tensor | None, dtype: torch.dt
     return impls
 
 
-def last_level_cache_bytes(*, default: int = 32 * 2**20, root: Path = Path("/sys/devices/system/cpu")) -> int:
-    """The machine's total L3: the sizes of the distinct L3 caches (by the CPUs sharing each) that
-    Linux's sysfs lists under root, or default where it lists none."""
+def _cpu_list(text: str) -> set[int]:
+    """CPUs of a sysfs list ("0-3,8,10-11")."""
+    cpus: set[int] = set()
+    for part in filter(None, text.strip().split(",")):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def last_level_cache_bytes(*, default: int = 32 * 2**20, cap: int = 512 * 2**20,
+                           root: Path = Path("/sys/devices/system/cpu"), cpus: set[int] | None = None) -> int:
+    """The L3 that this process's CPUs (cpus; default: its affinity) share: the sizes of the distinct
+    L3 caches (by the CPUs sharing each) that Linux's sysfs lists under root and that one of them
+    uses, at most cap; default where sysfs lists none (or none can be read)."""
+    if cpus is None:
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
     caches: dict[str, int] = {}
     for index in root.glob("cpu[0-9]*/cache/index[0-9]*"):
         try:
             if (index / "level").read_text().strip() != "3":
                 continue
-            size = (index / "size").read_text().strip()  # e.g. "32768K"
+            size = (index / "size").read_text().strip().upper().removesuffix("B").replace(" ", "")  # "32768K"
             shared = (index / "shared_cpu_list").read_text().strip()
-        except OSError:
+            if cpus is not None and not _cpu_list(shared) & cpus:
+                continue
+            caches[shared] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        except (OSError, ValueError, IndexError):  # unreadable or in a format we do not know: left out
             continue
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
-        caches[shared] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
-    return sum(caches.values()) or default
+    return min(cap, sum(caches.values())) or default
 
 
 DECODE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

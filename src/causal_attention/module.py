@@ -247,9 +247,10 @@ class CausalSelfAttention(nn.Module):
 
     def _decode_step(self, x: Tensor, cache: KVCache) -> Tensor | None:
         """forward(x, cache=cache) without a mask, by the fused decode_layer op, asking in Python only
-        whether the op applies (the general path's _decode_layer conditions) and what the op cannot
-        see (grad mode, tracing, autocast, inference tensors); None (forward's general path)
-        wherever it does not apply. x: (B, t, dim). Returns (B, t, dim).
+        whether x, the backend and the engine allow it and what the op cannot see (grad mode,
+        tracing, autocast, inference tensors); the op checks the weights and the cache. None
+        (forward's general path) where x, the backend or the engine do not allow it. x: (B, t, dim).
+        Returns (B, t, dim).
 
         A decode step's Python runs with the caches that the previous layer's streaming left cold:
         forward's general checks, then _decode_layer's, cost a float32 step of B=8, ctx 2048 about
@@ -280,10 +281,12 @@ class CausalSelfAttention(nn.Module):
         try:
             return torch.ops.causal_attention.decode_layer(x, qkv.weight, qkv.bias, proj.weight, proj.bias, k, v,
                                                            lengths, None, self.n_heads)
-        except (RuntimeError, ValueError, TypeError):
-            self._check_x(x)
-            self._check_cache(cache, x, "x")
-            raise
+        except (RuntimeError, ValueError, TypeError) as error:
+            refused = error
+        # Outside the except block: forward's error, where one applies, is raised on its own.
+        self._check_x(x)
+        self._check_cache(cache, x, "x")
+        raise refused
 
     def _decode_layer(self, x: Tensor, mask: Tensor | None, cache: KVCache) -> Tensor | None:
         """A decode step (x: (B, t, dim) with B * t <= FEW_ROWS) by the engine's fused decode_layer op:
@@ -309,6 +312,9 @@ class CausalSelfAttention(nn.Module):
     def _check_cache(self, cache: KVCache, x: Tensor, x_name: str) -> None:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache; got {type(cache).__name__}")
+        if any(not isinstance(b, Tensor) or b.dim() != 4 for b in (cache.k, cache.v)):
+            got = [tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__ for b in (cache.k, cache.v)]
+            raise ValueError(f"cache must hold 4-D (B, n_heads, max_len, head_dim) keys and values; got {got[0]} and {got[1]}")
         expected = (x.shape[0], self.n_heads, cache.max_len, self.head_dim)
         for name, buffer in (("keys", cache.k), ("values", cache.v)):
             if tuple(buffer.shape) != expected:
