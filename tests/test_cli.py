@@ -193,7 +193,7 @@ def test_bench_targets_from_rows() -> None:
                     thread_scaling={"T": 2048, "threads": 2, "speedup": 1.9})
     got = {t["target"]: (t["value"], t["met"]) for t in targets(report)}
     decode_note = next(t["note"] for t in targets(report) if t["target"].startswith("decode step"))
-    assert decode_note == "only reading the layer's bytes: 95%; the layer is at 95% of that"
+    assert decode_note == "one read of as many bytes as the layer's: 95%; the layer is at 95% of that"
     assert got == {
         "bf16 forward, of same-run bf16 GEMM ceiling, T=2048": (0.3, False),
         **{f"bf16 fwd+bwd vs f32 fwd+bwd, T={T}": (2.0, True) for T in (1024, 2048, 4096)},
