@@ -103,6 +103,14 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
+def _inference_cache_outside_inference_mode(cache: KVCache) -> bool:
+    """Whether a step would write the cache's inference tensors outside inference mode, which may
+    write them in place only inside it (both decode paths refuse it before writing)."""
+    return not torch.is_inference_mode_enabled() and (
+        cache.k.is_inference() or cache.v.is_inference() or cache.lengths.is_inference()
+    )
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with one qkv projection and an output projection.
 
@@ -274,13 +282,12 @@ class CausalSelfAttention(nn.Module):
             or not _ops.core_loaded()
         ):
             return None
-        k, v, lengths = cache.k, cache.v, cache.lengths
-        if not torch.is_inference_mode_enabled() and (k.is_inference() or v.is_inference() or lengths.is_inference()):
-            return None  # written in place outside inference mode: _check_cache refuses it
+        if _inference_cache_outside_inference_mode(cache):
+            return None  # _check_cache refuses it
         qkv, proj = self.qkv, self.proj
         try:
-            return torch.ops.causal_attention.decode_layer(x, qkv.weight, qkv.bias, proj.weight, proj.bias, k, v,
-                                                           lengths, None, self.n_heads)
+            return torch.ops.causal_attention.decode_layer(x, qkv.weight, qkv.bias, proj.weight, proj.bias, cache.k,
+                                                           cache.v, cache.lengths, None, self.n_heads)
         except (RuntimeError, ValueError, TypeError) as error:
             refused = error
         # Outside the except block: forward's error, where one applies, is raised on its own.
@@ -326,10 +333,7 @@ class CausalSelfAttention(nn.Module):
                     f"cache must match {x_name}'s dtype and device ({x.dtype}, {x.device}); got {name} in "
                     f"({buffer.dtype}, {buffer.device})"
                 )
-        if not _tracing() and not torch.is_inference_mode_enabled() and (
-            cache.k.is_inference() or cache.v.is_inference() or cache.lengths.is_inference()
-        ):
-            # Inference tensors may be written in place only in inference mode: refuse before writing.
+        if not _tracing() and _inference_cache_outside_inference_mode(cache):
             raise ValueError(
                 "the KV cache was made under torch.inference_mode(): step it under torch.inference_mode() too "
                 "(or make it under torch.no_grad())"
