@@ -291,10 +291,13 @@ class DecodePass {
     }
     const int64_t visible_end = std::min(ke, start_[b] + t_);
     const int64_t per_call = stream_keys(hd_, sizeof(scalar_t));
+    bool cached = false;  // the call before asked for this call's values
     for (int64_t k0 = ks; k0 < visible_end; k0 += per_call) {
       const int64_t cols = std::min(visible_end, k0 + per_call) - k0;
-      tile::tile_ops<scalar_t>().decode_chunk(ws.q.data(), t_, keys + k0 * hd_, values + k0 * hd_, hd_, cols, hd_,
-                                              scale_, start_[b] - k0, m, l, o, ws.buf.data());
+      const int64_t next = std::min(visible_end, k0 + cols + per_call) - (k0 + cols);  // the next call's keys
+      cached = tile::tile_ops<scalar_t>().decode_chunk(ws.q.data(), t_, keys + k0 * hd_, values + k0 * hd_, hd_, cols,
+                                                       hd_, scale_, start_[b] - k0, m, l, o, ws.buf.data(),
+                                                       next > 0 ? values + (k0 + cols) * hd_ : nullptr, next, cached);
     }
   }
 

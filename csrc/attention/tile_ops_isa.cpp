@@ -788,12 +788,50 @@ inline void dot_block(const float* a, const scalar_t* b, int64_t ld, int64_t hd,
 constexpr bool kBlockDots = false;
 #endif
 
+// Rows of memory (each row_lines cache lines long, ld_bytes apart) asked into L2 (prefetcht1) a line
+// at a time, spread over a loop that runs meanwhile: a hint, it changes no result and never faults.
+class LinePrefetch {
+ public:
+  LinePrefetch() = default;
+  LinePrefetch(const void* first_row, int64_t ld_bytes, int64_t rows, int64_t row_bytes)
+      : row_(static_cast<const char*>(first_row)),
+        ld_bytes_(ld_bytes),
+        row_lines_((row_bytes + 63) / 64),
+        left_(first_row != nullptr && rows > 0 ? rows * row_lines_ : 0) {}
+  int64_t left() const { return left_; }
+  void ask() {  // the next line (with left() > 0)
+    __builtin_prefetch(row_ + 64 * line_, 0, 2);
+    if (++line_ == row_lines_) {
+      line_ = 0;
+      row_ += ld_bytes_;
+    }
+    --left_;
+  }
+  // Spread over `steps` steps of a loop: at each step, ask for the lines owed so far (Bresenham).
+  void step(int64_t lines, int64_t steps, int64_t& owed) {
+    for (owed += lines; owed >= steps && left_ > 0; owed -= steps) {
+      ask();
+    }
+  }
+  void rest() {
+    while (left_ > 0) {
+      ask();
+    }
+  }
+
+ private:
+  const char* row_ = nullptr;
+  int64_t ld_bytes_ = 0, row_lines_ = 1, left_ = 0, line_ = 0;
+};
+
 // o[u * W + w] = o[.] * alpha + sum_j p[j] * v[j * ld + u * W + w] for u < U: U vectors of o stay in
 // registers while the n value rows stream past once (bfloat16/half widened in registers). Where the
 // registers allow, the even and the odd j sum in two chains, added at the end: a chain of dependent
-// fused multiply-adds waits their latency for every row, two halve that wait.
+// fused multiply-adds waits their latency for every row, two halve that wait. The lines of pf are
+// asked for meanwhile, spread over the rows.
 template <int U, typename scalar_t, typename acc_t>
-inline void weighted_block(const acc_t* p, const scalar_t* v, int64_t ld, int64_t n, acc_t alpha, acc_t* o) {
+inline void weighted_block(const acc_t* p, const scalar_t* v, int64_t ld, int64_t n, acc_t alpha, acc_t* o,
+                           LinePrefetch& pf) {
   constexpr int64_t W = Vec<acc_t>::size();
   constexpr int kChains = 2 * U <= W ? 2 : 1;  // 2U accumulators: up to 8 of AVX2's 16 registers, 16 of AVX512's 32
   const Vec<acc_t> valpha(alpha);
@@ -805,7 +843,10 @@ inline void weighted_block(const acc_t* p, const scalar_t* v, int64_t ld, int64_
     }
   }
   int64_t j = 0;
+  const int64_t pf_lines = pf.left(), pf_steps = n / kChains;
+  int64_t owed = 0;
   for (; j + kChains <= n; j += kChains) {
+    pf.step(pf_lines, pf_steps, owed);
     for (int c = 0; c < kChains; ++c) {
       const Vec<acc_t> pj(p[j + c]);
       const scalar_t* row = v + (j + c) * ld;
@@ -814,6 +855,7 @@ inline void weighted_block(const acc_t* p, const scalar_t* v, int64_t ld, int64_
       }
     }
   }
+  pf.rest();
   for (; j < n; ++j) {
     const Vec<acc_t> pj(p[j]);
     const scalar_t* row = v + j * ld;
@@ -830,28 +872,31 @@ inline void weighted_block(const acc_t* p, const scalar_t* v, int64_t ld, int64_
 }
 
 // o[d] = o[d] * alpha + sum_j p[j] * v[j * ld + d]: blocks of up to 8 vectors of o (hd = 64 is one
-// block on AVX2 and AVX512), so each value row is read once per query; a scalar tail past them.
+// block on AVX2 and AVX512), so each value row is read once per query; a scalar tail past them. The
+// lines of pf are asked for during the first block.
 template <typename scalar_t, typename acc_t>
-inline void weighted_rows(const acc_t* p, const scalar_t* v, int64_t ld, int64_t n, int64_t hd, acc_t alpha, acc_t* o) {
+inline void weighted_rows(const acc_t* p, const scalar_t* v, int64_t ld, int64_t n, int64_t hd, acc_t alpha, acc_t* o,
+                          LinePrefetch pf = {}) {
   int64_t d0 = 0;
   if constexpr (std::is_same_v<scalar_t, acc_t> || kReduced<scalar_t>) {
     constexpr int64_t W = Vec<acc_t>::size();
     for (; d0 + 8 * W <= hd; d0 += 8 * W) {
-      weighted_block<8>(p, v + d0, ld, n, alpha, o + d0);
+      weighted_block<8>(p, v + d0, ld, n, alpha, o + d0, pf);
     }
     if (d0 + 4 * W <= hd) {
-      weighted_block<4>(p, v + d0, ld, n, alpha, o + d0);
+      weighted_block<4>(p, v + d0, ld, n, alpha, o + d0, pf);
       d0 += 4 * W;
     }
     if (d0 + 2 * W <= hd) {
-      weighted_block<2>(p, v + d0, ld, n, alpha, o + d0);
+      weighted_block<2>(p, v + d0, ld, n, alpha, o + d0, pf);
       d0 += 2 * W;
     }
     if (d0 + W <= hd) {
-      weighted_block<1>(p, v + d0, ld, n, alpha, o + d0);
+      weighted_block<1>(p, v + d0, ld, n, alpha, o + d0, pf);
       d0 += W;
     }
   }
+  pf.rest();
   for (int64_t d = d0; d < hd; ++d) {
     acc_t acc = o[d] * alpha;
     for (int64_t j = 0; j < n; ++j) {
@@ -876,9 +921,19 @@ inline void prefetch_rows(const scalar_t* x, int64_t ld, int64_t rows, int64_t b
   }
 }
 
+// The next call's values are asked for in float32 only. Float32, B=8, 12 heads of 64, 1024 keys a
+// call, 2 threads, each call after a 64 MB read, op / torch.sum over K and V (medians of 25 rounds):
+// context 2048, 0.95-0.99 where it was 0.98-1.02 (3 processes; 1.21-1.33 where it was 1.27-1.45 in
+// 3 slower ones); context 8192, 1.02 / 1.11 where it was 1.04 / 1.16. In bfloat16 (2048 keys a call)
+// it was slower at context 8192 in every variant tried (1.17-1.45 against 1.09-1.38): its value
+// loop, which widens every element, has no issue slots to spare for the hints.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_t* v, int64_t ld, int64_t n,
-                  int64_t hd, acc_t scale, int64_t causal_offset, acc_t* m, acc_t* l, acc_t* o, acc_t* buf) {
+bool decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_t* v, int64_t ld, int64_t n,
+                  int64_t hd, acc_t scale, int64_t causal_offset, acc_t* m, acc_t* l, acc_t* o, acc_t* buf,
+                  const scalar_t* next_v, int64_t next_n, bool values_cached) {
+  const int64_t row_bytes = hd * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t ld_bytes = ld * static_cast<int64_t>(sizeof(scalar_t));
+  bool asked_next = false;
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t visible = std::clamp<int64_t>(i + causal_offset + 1, 0, n);
     if (visible == 0) {
@@ -886,10 +941,10 @@ void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_
     }
     constexpr int kKeys = 8;  // keys per pass over the query row
     int64_t j = 0;
-    const int64_t row_bytes = hd * static_cast<int64_t>(sizeof(scalar_t));
-    // The value rows of keys [j, j + count), read after the scores: their memory streams meanwhile.
+    // The value rows of keys [j, j + count), read after the scores: their memory streams meanwhile
+    // (unless the call before asked for them).
     const auto prefetch_values = [&](int64_t count) {
-      if (i == 0) {
+      if (i == 0 && !values_cached) {
         prefetch_rows(v + j * ld, ld, count, row_bytes);
       }
     };
@@ -911,8 +966,16 @@ void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_
     const acc_t alpha = std::exp(m[i] - m_new);  // 0 when m[i] = -inf
     l[i] = l[i] * alpha + exp_scaled_inplace(buf, visible, scale, m_new);
     m[i] = m_new;
-    weighted_rows(buf, v, ld, visible, hd, alpha, o + i * hd);
+    // The last row's pass over the values (from L2) reads no memory: the next call's values stream
+    // meanwhile.
+    LinePrefetch pf;
+    if (std::is_same_v<scalar_t, float> && i + 1 == rows && next_v != nullptr && next_n > 0) {
+      pf = LinePrefetch(next_v, ld_bytes, next_n, row_bytes);
+      asked_next = true;
+    }
+    weighted_rows(buf, v, ld, visible, hd, alpha, o + i * hd, pf);
   }
+  return asked_next;
 }
 
 // Keeps v in a register (AVX-512, whose 32 registers hold the linear block's x vectors and
