@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -649,3 +651,64 @@ def test_gpt_refuses_attention_maps_with_caches():
     model = _tiny_gpt()
     with torch.no_grad(), pytest.raises(ValueError, match="return_attention is not available with caches"):
         model(torch.tensor([[1, 2]]), caches=model.make_caches(1), return_attention=True)
+
+
+def _huge_page_kb(address: int) -> int | None:
+    """AnonHugePages (kB) of the mapping of this process that holds address (None: no such mapping)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(a, 16) for a in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return None
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "unknown"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_large_cpu_cache_is_zeroed_and_on_whole_huge_pages(dtype):
+    """make_cache's keys and values: zeros of the cache's shape and dtype, ordinary tensors (they
+    resize, clone and step as any), and of 2 MB or more, aligned to whole 2 MB pages, advised to
+    take them: where the kernel's transparent huge pages are in madvise or always mode, the memory
+    is on huge pages (torch's allocator leaves it on 4 KB pages in madvise mode)."""
+    attn = CausalSelfAttention(256, 4, dtype=dtype)
+    cache = attn.make_cache(4, 2048 + 7)  # 4 * 4 * 2055 * 64 elements: 8.4 MB in float32
+    for buffer in (cache.k, cache.v):
+        assert buffer.shape == (4, 4, 2055, 64) and buffer.dtype == dtype and buffer.is_cpu
+        assert buffer.is_contiguous() and int(buffer.count_nonzero()) == 0
+        assert buffer.data_ptr() % (2 << 20) == 0
+        if sys.platform == "linux" and _thp_mode() in ("madvise", "always"):
+            assert (_huge_page_kb(buffer.data_ptr()) or 0) >= 2048, "no huge page under the cache"
+    # A step writes it, a copy and a resize behave as on any tensor.
+    with torch.no_grad():
+        attn(torch.randn(4, 3, 256, dtype=dtype), cache=cache)
+    assert int(cache.lengths.sum()) == 12 and int(cache.k[:, :, 3:].count_nonzero()) == 0
+    assert int(cache.k[:, :, :3].count_nonzero()) > 0
+    assert torch.equal(cache.k.clone(), cache.k)
+    grown = cache.v.clone()
+    cache.v.resize_(4 * 4 * 2055 * 64 * 2)
+    assert torch.equal(cache.v[: grown.numel()].view_as(grown), grown)
+
+
+def test_small_and_fake_caches_are_plain_zeros():
+    """Below a huge page, torch's own zeros; under FakeTensorMode, fake tensors (the factory op would
+    have run for real); the op names a negative size."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    small = CausalSelfAttention(16, 2).make_cache(2, 6)
+    assert small.k.shape == (2, 2, 6, 8) and int(small.k.count_nonzero()) == 0
+    with FakeTensorMode():
+        fake = CausalSelfAttention(16, 2).make_cache(2, 6)
+    assert isinstance(fake.k, FakeTensor) and isinstance(fake.v, FakeTensor)
+    with pytest.raises(ValueError, match="sizes must be non-negative"):
+        torch.ops.causal_attention.cache_zeros([2, -1], torch.float32)

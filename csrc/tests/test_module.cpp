@@ -216,6 +216,31 @@ TEST(KVCache, PrefillThenDecodeEqualsFullForward) {
   EXPECT_EQ(cache.lengths.sum().item<int64_t>(), 0);
 }
 
+TEST(KVCache, LargeCpuBuffersAreZeroedOnWholeHugePages) {
+  // As Python's make_cache: of 2 MB or more, the keys and values start at a 2 MB boundary (the
+  // memory advised to take huge pages, kernels::cache_zeros); smaller, torch's zeros. Both steps
+  // write them as any tensor; a resize keeps the data (the storage's allocator is asked again).
+  CausalSelfAttention attn(256, 4);
+  auto cache = attn->make_cache(4, 2055);  // 8.4 MB each
+  for (const auto* buffer : {&cache.k, &cache.v}) {
+    EXPECT_EQ(buffer->sizes(), (std::vector<int64_t>{4, 4, 2055, 64}));
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(buffer->data_ptr()) % (uintptr_t{2} << 20), 0u);
+    EXPECT_EQ(buffer->count_nonzero().item<int64_t>(), 0);
+  }
+  {
+    torch::NoGradGuard no_grad;
+    attn->forward(torch::randn({4, 3, 256}), std::nullopt, cache);
+  }
+  EXPECT_GT(cache.k.narrow(2, 0, 3).count_nonzero().item<int64_t>(), 0);
+  EXPECT_EQ(cache.k.narrow(2, 3, 2052).count_nonzero().item<int64_t>(), 0);
+  const auto before = cache.k.clone();
+  cache.k.resize_({2 * before.numel()});
+  EXPECT_TRUE(torch::equal(cache.k.narrow(0, 0, before.numel()).view(before.sizes()), before));
+  const auto small = attn->make_cache(1, 2);
+  EXPECT_EQ(small.k.count_nonzero().item<int64_t>(), 0);
+  EXPECT_THROW(causal_attention::kernels::cache_zeros({2, -1}, torch::kFloat), c10::ValueError);
+}
+
 TEST(KVCache, OverflowAndMisuseAreClearErrors) {
   CausalSelfAttention attn(16, 2);
   auto cache = attn->make_cache(2, 4);

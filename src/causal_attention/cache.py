@@ -17,6 +17,22 @@ import torch
 from torch import Tensor
 
 
+def cache_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None) -> Tensor:
+    """Zeros of shape for keys or values: on the CPU, by the engine's cache_zeros (its memory on huge
+    pages where it is at least 2 MB: a decode step streams the whole cache, and on 4 KB pages every
+    4 KB of it costs a TLB miss); torch.zeros on other devices, without the engine, and under a
+    dispatch mode (FakeTensorMode: a factory op without tensor arguments would run for real)."""
+    from . import _ops
+
+    if (
+        torch.device(device if device is not None else torch.get_default_device()).type == "cpu"
+        and torch._C._len_torch_dispatch_stack() == 0
+        and _ops.core_loaded()
+    ):
+        return torch.ops.causal_attention.cache_zeros(list(shape), dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 @dataclass
 class KVCache:
     """Keys and values (B, H, max_len, head_dim) and per-sequence lengths (B,) int64."""
@@ -42,8 +58,8 @@ class KVCache:
                 raise ValueError(f"{name} must be a positive int; got {value!r}")
         shape = (batch_size, n_heads, max_len, head_dim)
         return cls(
-            k=torch.zeros(shape, dtype=dtype, device=device),
-            v=torch.zeros(shape, dtype=dtype, device=device),
+            k=cache_buffer(shape, dtype, device),
+            v=cache_buffer(shape, dtype, device),
             lengths=torch.zeros(batch_size, dtype=torch.int64, device=device),
         )
 
