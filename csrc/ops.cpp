@@ -11,7 +11,7 @@
 //   few_rows_linear(x, weight, bias) -> y                              a decode step's linear layers
 //   mask_to_bool(key_padding_mask) -> mask                              checks an integer mask's values
 //   cache_end(lengths, key_padding_mask, new_tokens, max_len) -> end    checks a cache step
-//   cache_zeros(size, dtype) -> zeros                                  a CPU KV cache buffer, on huge pages
+//   cache_zeros(size, dtype, device=None) -> zeros                     a KV cache buffer, on the CPU on huge pages
 //
 // On CPU, `attention` runs the fused kernels with a C++ autograd function (the C++ module's path);
 // on other devices it is the ATen composition (kernels::attention_composite). The Python front
@@ -207,6 +207,16 @@ at::Tensor cache_end_meta(const at::Tensor& lengths, const OptionalTensor& mask,
   return at::empty_symint(lengths.sym_sizes(), lengths.options());
 }
 
+// A KV cache buffer: on the CPU (device None or CPU) kernels::cache_zeros, elsewhere at::zeros. The
+// device argument is what FakeTensorMode (torch.compile, torch.export) needs of an op without tensor
+// arguments: it calls such a "constructor" with device=meta, and gets at::zeros there.
+at::Tensor cache_zeros(at::IntArrayRef size, at::ScalarType dtype, std::optional<at::Device> device) {
+  if (device.has_value() && !device->is_cpu()) {
+    return at::zeros(size, at::TensorOptions().dtype(dtype).device(*device));
+  }
+  return kernels::cache_zeros(size, dtype);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(causal_attention, m) {
@@ -234,7 +244,7 @@ TORCH_LIBRARY(causal_attention, m) {
   m.def("mask_to_bool(Tensor key_padding_mask) -> Tensor");
   m.def("cache_end(Tensor lengths, Tensor? key_padding_mask, int new_tokens, int max_len) -> Tensor");
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("cache_zeros(int[] size, ScalarType dtype) -> Tensor");
+  m.def("cache_zeros(int[] size, ScalarType dtype, Device? device=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, Autograd, m) {
@@ -251,7 +261,7 @@ TORCH_LIBRARY_IMPL(causal_attention, CompositeExplicitAutograd, m) {
   m.impl("attention", &attention_no_autograd);
   m.impl("mask_to_bool", &mask_to_bool);
   m.impl("cache_end", &cache_end);
-  m.impl("cache_zeros", &kernels::cache_zeros);  // no tensor argument: CPU only
+  m.impl("cache_zeros", &cache_zeros);
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {

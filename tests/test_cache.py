@@ -653,8 +653,8 @@ def test_gpt_refuses_attention_maps_with_caches():
         model(torch.tensor([[1, 2]]), caches=model.make_caches(1), return_attention=True)
 
 
-def _huge_page_kb(address: int) -> int | None:
-    """AnonHugePages (kB) of the mapping of this process that holds address (None: no such mapping)."""
+def _vm_flags(address: int) -> list[str] | None:
+    """The VmFlags of the mapping of this process that holds address (None: no such mapping)."""
     with open("/proc/self/smaps") as f:
         inside = False
         for line in f:
@@ -662,33 +662,33 @@ def _huge_page_kb(address: int) -> int | None:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(a, 16) for a in head.split("-"))
                 inside = lo <= address < hi
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1])
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
     return None
 
 
-def _thp_mode() -> str:
+def _huge_page_bytes() -> int:
     try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return "unknown"
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_large_cpu_cache_is_zeroed_and_on_whole_huge_pages(dtype):
+def test_a_large_cpu_cache_is_zeroed_and_advised_onto_huge_pages(dtype):
     """make_cache's keys and values: zeros of the cache's shape and dtype, ordinary tensors (they
-    resize, clone and step as any), and of 2 MB or more, aligned to whole 2 MB pages, advised to
-    take them: where the kernel's transparent huge pages are in madvise or always mode, the memory
-    is on huge pages (torch's allocator leaves it on 4 KB pages in madvise mode)."""
+    step, clone and resize as any), and of a huge page or more, a mapping of their own from a
+    huge-page boundary, advised to be huge (VmFlags "hg": whether the kernel then gives huge pages
+    depends on its THP mode and free memory, not on the code)."""
     attn = CausalSelfAttention(256, 4, dtype=dtype)
     cache = attn.make_cache(4, 2048 + 7)  # 4 * 4 * 2055 * 64 elements: 8.4 MB in float32
     for buffer in (cache.k, cache.v):
         assert buffer.shape == (4, 4, 2055, 64) and buffer.dtype == dtype and buffer.is_cpu
         assert buffer.is_contiguous() and int(buffer.count_nonzero()) == 0
-        assert buffer.data_ptr() % (2 << 20) == 0
-        if sys.platform == "linux" and _thp_mode() in ("madvise", "always"):
-            assert (_huge_page_kb(buffer.data_ptr()) or 0) >= 2048, "no huge page under the cache"
+        assert buffer.data_ptr() % _huge_page_bytes() == 0
+        if sys.platform == "linux":
+            assert "hg" in (_vm_flags(buffer.data_ptr()) or []), "the cache's memory was not advised"
     # A step writes it, a copy and a resize behave as on any tensor.
     with torch.no_grad():
         attn(torch.randn(4, 3, 256, dtype=dtype), cache=cache)
@@ -700,15 +700,36 @@ def test_a_large_cpu_cache_is_zeroed_and_on_whole_huge_pages(dtype):
     assert torch.equal(cache.v[: grown.numel()].view_as(grown), grown)
 
 
-def test_small_and_fake_caches_are_plain_zeros():
-    """Below a huge page, torch's own zeros; under FakeTensorMode, fake tensors (the factory op would
-    have run for real); the op names a negative size."""
+def test_small_fake_and_traced_caches():
+    """Below a huge page, torch's own zeros; under FakeTensorMode, fake tensors (the op's device
+    argument takes FakeTensorMode's constructor path); a module that makes its cache in forward
+    compiles (fullgraph) and exports (strict and not) to eager's output; the op names a negative or
+    overflowing size."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     small = CausalSelfAttention(16, 2).make_cache(2, 6)
     assert small.k.shape == (2, 2, 6, 8) and int(small.k.count_nonzero()) == 0
     with FakeTensorMode():
-        fake = CausalSelfAttention(16, 2).make_cache(2, 6)
-    assert isinstance(fake.k, FakeTensor) and isinstance(fake.v, FakeTensor)
-    with pytest.raises(ValueError, match="sizes must be non-negative"):
+        fake = CausalSelfAttention(16, 2).make_cache(2, 2100)
+    assert isinstance(fake.k, FakeTensor) and isinstance(fake.v, FakeTensor) and fake.k.device.type == "cpu"
+
+    class Step(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = CausalSelfAttention(256, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, cache=self.attn.make_cache(2, 2100))
+
+    model = Step().eval()
+    x = torch.randn(2, 3, 256)
+    with torch.no_grad():
+        expected = model(x)
+        torch._dynamo.reset()
+        assert rel_err(torch.compile(model, fullgraph=True)(x), expected) < 1e-5
+        for strict in (True, False):
+            assert rel_err(torch.export.export(model, (x,), strict=strict).module()(x), expected) < 1e-5
+    with pytest.raises(ValueError, match="size must be non-negative"):
         torch.ops.causal_attention.cache_zeros([2, -1], torch.float32)
+    with pytest.raises(ValueError, match="overflows a byte count"):
+        torch.ops.causal_attention.cache_zeros([1 << 40, 1 << 40], torch.float32)

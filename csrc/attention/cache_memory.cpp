@@ -2,15 +2,18 @@
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/Allocator.h>
+#include <c10/util/safe_numerics.h>
 
 #include <cerrno>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <memory>
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 #include "causal_attention/attention.h"
@@ -18,11 +21,25 @@
 namespace causal_attention::kernels {
 namespace {
 
-constexpr size_t kHugePage = size_t{2} << 20;  // the x86-64 transparent huge page
+constexpr size_t kDefaultHugePage = size_t{2} << 20;  // x86-64's (and arm64's with 4 KB pages)
+
+// The transparent huge page size the kernel reports (hpage_pmd_size), else 2 MB.
+size_t huge_page_bytes() {
+  std::ifstream file("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size");
+  unsigned long long bytes = 0;
+  if (file >> bytes && bytes >= 4096 && (bytes & (bytes - 1)) == 0) {
+    return static_cast<size_t>(bytes);
+  }
+  return kDefaultHugePage;
+}
+
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+void release(void* p) { std::free(p); }
 
 #if defined(__linux__)
 // A mapping of our own (mmap), so that its pages are fresh: memory from malloc may have been touched
-// before, on 4 KB pages that the advice does not replace.
+// before, on small pages that the advice does not replace.
 struct Mapping {
   void* base;
   size_t bytes;
@@ -33,35 +50,36 @@ void unmap(void* ctx) {
   munmap(mapping->base, mapping->bytes);
 }
 
-at::DataPtr map_huge(size_t n) {
-  const size_t bytes = (n + kHugePage - 1) / kHugePage * kHugePage;
-  // A huge page more than asked, then the ends trimmed: what is left starts at a 2 MB boundary.
-  void* raw = mmap(nullptr, bytes + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+// n bytes from a huge-page boundary; the whole huge pages among them advised to be huge (the tail,
+// less than one, stays on small pages: advised, it would take a whole huge page of memory).
+at::DataPtr map_huge(size_t n, size_t huge) {
+  const size_t bytes = round_up(n, static_cast<size_t>(sysconf(_SC_PAGESIZE)));
+  // A huge page more than asked, then the ends trimmed: what is left starts at a huge-page boundary.
+  void* raw = mmap(nullptr, bytes + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   TORCH_CHECK(raw != MAP_FAILED, "KV cache: could not map ", n, " bytes (", std::strerror(errno), ")");
   const auto start = reinterpret_cast<uintptr_t>(raw);
-  const uintptr_t aligned = (start + kHugePage - 1) & ~(uintptr_t{kHugePage} - 1);
+  const uintptr_t aligned = (start + huge - 1) & ~(uintptr_t{huge} - 1);
   if (aligned > start) {
     munmap(raw, aligned - start);
   }
-  if (const size_t tail = start + bytes + kHugePage - (aligned + bytes); tail > 0) {
+  if (const size_t tail = start + bytes + huge - (aligned + bytes); tail > 0) {
     munmap(reinterpret_cast<void*>(aligned + bytes), tail);
   }
   void* p = reinterpret_cast<void*>(aligned);
 #if defined(MADV_HUGEPAGE)
-  madvise(p, bytes, MADV_HUGEPAGE);  // a hint: where it fails the pages stay small
+  madvise(p, n / huge * huge, MADV_HUGEPAGE);  // a hint: where it fails the pages stay small
 #endif
   auto mapping = std::make_unique<Mapping>(Mapping{p, bytes});
   return {p, mapping.release(), &unmap, at::Device(at::kCPU)};
 }
 #endif
 
-void release(void* p) { std::free(p); }
-
-// CPU memory in whole huge pages, fresh and advised to take them (madvise MADV_HUGEPAGE): with the
-// kernel's transparent huge pages in "madvise" mode (the common default) the pages are 2 MB where
-// torch's allocator leaves them 4 KB; in "always" mode they would be huge anyway, in "never" they
-// stay 4 KB (the advice fails quietly). Elsewhere than Linux, memory aligned to 2 MB. Stateless:
-// one instance serves every cache, and a storage that grows (resize_) asks it again.
+// CPU memory from a huge-page boundary, fresh, its whole huge pages advised to be huge (madvise
+// MADV_HUGEPAGE): with the kernel's transparent huge pages in "madvise" mode (the common default)
+// the pages are huge where torch's allocator leaves them small; in "always" mode they would be huge
+// anyway, in "never" they stay small (the advice fails quietly). Elsewhere than Linux, memory
+// aligned to 2 MB. Stateless: one instance serves every cache, and a storage that grows (resize_)
+// asks it again.
 class HugePageAllocator final : public at::Allocator {
  public:
   at::DataPtr allocate(size_t n) override {
@@ -69,9 +87,9 @@ class HugePageAllocator final : public at::Allocator {
       return {nullptr, nullptr, &release, at::Device(at::kCPU)};
     }
 #if defined(__linux__)
-    return map_huge(n);
+    return map_huge(n, huge_page_bytes());
 #else
-    void* p = std::aligned_alloc(kHugePage, (n + kHugePage - 1) / kHugePage * kHugePage);
+    void* p = std::aligned_alloc(kDefaultHugePage, round_up(n, kDefaultHugePage));
     TORCH_CHECK(p != nullptr, "KV cache: could not allocate ", n, " bytes");
     return {p, p, &release, at::Device(at::kCPU)};
 #endif
@@ -82,18 +100,22 @@ class HugePageAllocator final : public at::Allocator {
 
 }  // namespace
 
-at::Tensor cache_zeros(at::IntArrayRef sizes, at::ScalarType dtype) {
-  for (const int64_t s : sizes) {
-    TORCH_CHECK_VALUE(s >= 0, "cache_zeros: sizes must be non-negative; got ", sizes);
+at::Tensor cache_zeros(at::IntArrayRef size, at::ScalarType dtype) {
+  for (const int64_t s : size) {
+    TORCH_CHECK_VALUE(s >= 0, "cache_zeros: size must be non-negative; got ", size);
   }
+  uint64_t numel = 0;
+  uint64_t bytes = 0;
+  TORCH_CHECK_VALUE(!c10::safe_multiplies_u64(size, &numel) &&
+                        !c10::mul_overflows(numel, static_cast<uint64_t>(c10::elementSize(dtype)), &bytes),
+                    "cache_zeros: size ", size, " of ", dtype, " overflows a byte count");
   const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
   // Below a huge page the advice has nothing to act on: torch's own allocation.
-  if (c10::multiply_integers(sizes) * static_cast<int64_t>(c10::elementSize(dtype)) <
-      static_cast<int64_t>(kHugePage)) {
-    return at::zeros(sizes, options);
+  if (bytes < huge_page_bytes()) {
+    return at::zeros(size, options);
   }
   static HugePageAllocator allocator;  // stateless (see above)
-  at::Tensor out = at::detail::empty_generic(sizes, &allocator, c10::DispatchKeySet(c10::DispatchKey::CPU), dtype,
+  at::Tensor out = at::detail::empty_generic(size, &allocator, c10::DispatchKeySet(c10::DispatchKey::CPU), dtype,
                                              std::nullopt);
   return out.zero_();  // the first touch: the pages are made here, huge where the advice took
 }

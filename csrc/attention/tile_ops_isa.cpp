@@ -970,7 +970,9 @@ bool decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_
     // meanwhile.
     LinePrefetch pf;
     if (std::is_same_v<scalar_t, float> && i + 1 == rows && next_v != nullptr && next_n > 0) {
-      pf = LinePrefetch(next_v, ld_bytes, next_n, row_bytes);
+      // (Rows back to back, as a cache's are: one range, so that no line is asked for twice.)
+      pf = ld_bytes == row_bytes ? LinePrefetch(next_v, 0, 1, next_n * row_bytes)
+                                 : LinePrefetch(next_v, ld_bytes, next_n, row_bytes);
       asked_next = true;
     }
     weighted_rows(buf, v, ld, visible, hd, alpha, o + i * hd, pf);

@@ -19,16 +19,12 @@ from torch import Tensor
 
 def cache_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None) -> Tensor:
     """Zeros of shape for keys or values: on the CPU, by the engine's cache_zeros (its memory on huge
-    pages where it is at least 2 MB: a decode step streams the whole cache, and on 4 KB pages every
-    4 KB of it costs a TLB miss); torch.zeros on other devices, without the engine, and under a
-    dispatch mode (FakeTensorMode: a factory op without tensor arguments would run for real)."""
+    pages where it is at least one: a decode step streams the whole cache, and on 4 KB pages every
+    4 KB of it costs a TLB miss; under FakeTensorMode, compiling or exporting, a fake tensor);
+    torch.zeros on other devices and without the engine."""
     from . import _ops
 
-    if (
-        torch.device(device if device is not None else torch.get_default_device()).type == "cpu"
-        and torch._C._len_torch_dispatch_stack() == 0
-        and _ops.core_loaded()
-    ):
+    if torch.device(device if device is not None else torch.get_default_device()).type == "cpu" and _ops.core_loaded():
         return torch.ops.causal_attention.cache_zeros(list(shape), dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
 

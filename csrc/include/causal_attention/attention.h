@@ -139,13 +139,15 @@ at::Tensor decode_layer_cpu(const at::Tensor& x, const at::Tensor& qkv_weight, c
 // Any number of rows is computed, but BLAS is faster past a handful (kFewRows, module.h). No autograd.
 at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 
-// A zeroed CPU tensor for a KV cache's keys or values: of at least one huge page (2 MB), its memory
-// is aligned to whole huge pages and advised to take them (Linux, madvise MADV_HUGEPAGE), where
-// torch's allocator leaves it on 4 KB pages. A decode step streams the whole cache; on 4 KB pages
+// A zeroed CPU tensor for a KV cache's keys or values: of at least one transparent huge page (2 MB
+// on x86-64; the kernel's hpage_pmd_size), a mapping of its own that starts at a huge-page boundary,
+// its whole huge pages advised to be huge (Linux, madvise MADV_HUGEPAGE; the tail, less than one,
+// stays on small pages), where torch's allocator leaves it on 4 KB pages. Copies of it (clone, .to,
+// deepcopy) are torch's, on 4 KB pages. A decode step streams the whole cache; on 4 KB pages
 // every 4 KB of it costs a TLB miss (float32, B=8, 12 heads of 64, context 2048, 2 threads: the
 // attention op took 0.88-0.92 of its time, a copy 0.85-0.95 and a sum 0.82-0.95, 3 processes).
 // Smaller: at::zeros.
-at::Tensor cache_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
+at::Tensor cache_zeros(at::IntArrayRef size, at::ScalarType dtype);
 
 // The instruction set the CPU kernel's element-wise routines were chosen for at run time.
 const char* cpu_capability();
