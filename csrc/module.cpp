@@ -63,13 +63,9 @@ KVCache::KVCache(int64_t batch_size, int64_t n_heads, int64_t head_dim, int64_t 
   TORCH_CHECK_VALUE(batch_size > 0 && n_heads > 0 && head_dim > 0 && max_len > 0,
                     "KVCache sizes must be positive; got batch_size=", batch_size, ", n_heads=", n_heads,
                     ", head_dim=", head_dim, ", max_len=", max_len);
-  if (options.device().is_cpu()) {  // on huge pages where it is large enough (kernels::cache_zeros)
-    k = kernels::cache_zeros({batch_size, n_heads, max_len, head_dim}, options.dtype().toScalarType());
-    v = kernels::cache_zeros({batch_size, n_heads, max_len, head_dim}, options.dtype().toScalarType());
-  } else {
-    k = at::zeros({batch_size, n_heads, max_len, head_dim}, options);
-    v = at::zeros({batch_size, n_heads, max_len, head_dim}, options);
-  }
+  // On the CPU on huge pages where it is large enough (kernels::cache_zeros).
+  k = kernels::cache_zeros({batch_size, n_heads, max_len, head_dim}, options.dtype().toScalarType(), options.device());
+  v = kernels::cache_zeros({batch_size, n_heads, max_len, head_dim}, options.dtype().toScalarType(), options.device());
   lengths = at::zeros({batch_size}, options.dtype(at::kLong));
 }
 

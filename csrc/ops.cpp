@@ -207,16 +207,6 @@ at::Tensor cache_end_meta(const at::Tensor& lengths, const OptionalTensor& mask,
   return at::empty_symint(lengths.sym_sizes(), lengths.options());
 }
 
-// A KV cache buffer: on the CPU (device None or CPU) kernels::cache_zeros, elsewhere at::zeros. The
-// device argument is what FakeTensorMode (torch.compile, torch.export) needs of an op without tensor
-// arguments: it calls such a "constructor" with device=meta, and gets at::zeros there.
-at::Tensor cache_zeros(at::IntArrayRef size, at::ScalarType dtype, std::optional<at::Device> device) {
-  if (device.has_value() && !device->is_cpu()) {
-    return at::zeros(size, at::TensorOptions().dtype(dtype).device(*device));
-  }
-  return kernels::cache_zeros(size, dtype);
-}
-
 }  // namespace
 
 TORCH_LIBRARY(causal_attention, m) {
@@ -261,7 +251,7 @@ TORCH_LIBRARY_IMPL(causal_attention, CompositeExplicitAutograd, m) {
   m.impl("attention", &attention_no_autograd);
   m.impl("mask_to_bool", &mask_to_bool);
   m.impl("cache_end", &cache_end);
-  m.impl("cache_zeros", &cache_zeros);
+  m.impl("cache_zeros", &kernels::cache_zeros);
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {

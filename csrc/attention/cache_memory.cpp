@@ -100,7 +100,10 @@ class HugePageAllocator final : public at::Allocator {
 
 }  // namespace
 
-at::Tensor cache_zeros(at::IntArrayRef size, at::ScalarType dtype) {
+at::Tensor cache_zeros(at::IntArrayRef size, at::ScalarType dtype, std::optional<at::Device> device) {
+  if (device.has_value() && !device->is_cpu()) {
+    return at::zeros(size, at::TensorOptions().dtype(dtype).device(*device));
+  }
   for (const int64_t s : size) {
     TORCH_CHECK_VALUE(s >= 0, "cache_zeros: size must be non-negative; got ", size);
   }

@@ -18,15 +18,16 @@ from torch import Tensor
 
 
 def cache_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None) -> Tensor:
-    """Zeros of shape for keys or values: on the CPU, by the engine's cache_zeros (its memory on huge
-    pages where it is at least one: a decode step streams the whole cache, and on 4 KB pages every
-    4 KB of it costs a TLB miss; under FakeTensorMode, compiling or exporting, a fake tensor);
-    torch.zeros on other devices and without the engine."""
+    """Zeros of shape for keys or values, by the engine's cache_zeros: on the CPU its memory on huge
+    pages where it is at least one (a decode step streams the whole cache, and on 4 KB pages every
+    4 KB of it costs a TLB miss), elsewhere torch's zeros; under FakeTensorMode, compiling or
+    exporting, a fake tensor. Without the engine, torch.zeros."""
     from . import _ops
 
-    if torch.device(device if device is not None else torch.get_default_device()).type == "cpu" and _ops.core_loaded():
-        return torch.ops.causal_attention.cache_zeros(list(shape), dtype)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    if not _ops.core_loaded():
+        return torch.zeros(shape, dtype=dtype, device=device)
+    where = torch.device(device if device is not None else torch.get_default_device())
+    return torch.ops.causal_attention.cache_zeros(list(shape), dtype, where)
 
 
 @dataclass

@@ -146,8 +146,10 @@ at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight, co
 // deepcopy) are torch's, on 4 KB pages. A decode step streams the whole cache; on 4 KB pages
 // every 4 KB of it costs a TLB miss (float32, B=8, 12 heads of 64, context 2048, 2 threads: the
 // attention op took 0.88-0.92 of its time, a copy 0.85-0.95 and a sum 0.82-0.95, 3 processes).
-// Smaller: at::zeros.
-at::Tensor cache_zeros(at::IntArrayRef size, at::ScalarType dtype);
+// Smaller, or on another device than the CPU (device; none: the CPU): at::zeros. (The device is
+// also what FakeTensorMode, compiling or exporting, needs of the op: it calls an op without tensor
+// arguments with device=meta.)
+at::Tensor cache_zeros(at::IntArrayRef size, at::ScalarType dtype, std::optional<at::Device> device = std::nullopt);
 
 // The instruction set the CPU kernel's element-wise routines were chosen for at run time.
 const char* cpu_capability();
