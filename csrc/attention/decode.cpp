@@ -34,12 +34,12 @@ namespace causal_attention::kernels {
 namespace {
 
 constexpr int64_t kDecodeChunk = 256;  // keys per tile, and the unit of a context's split
-// Bytes of keys and values per decode_chunk call of a few queries: its values are prefetched into
-// L2 while its scores are computed, so they should fit in L2 together with its keys (a whole
-// 2048-key context in float32 at head_dim 64, 1 MB, filled Zen 4's L2). Float32, B=8, ctx 2048, 12
-// heads of 64, 2 threads: the op read K and V at 0.82-0.83 of the rate of torch's sum over them with
-// 256 keys a call (128 KB), 0.81 with 512 and with 2048, 0.88-0.91 with 1024 (512 KB) (medians of
-// alternating processes).
+// Bytes of keys and values per decode_chunk call of a few queries (each call passes over its keys,
+// then over its values: fewer, longer calls switch between the two streams less often). Float32,
+// B=8, ctx 2048, 12 heads of 64, 2 threads, op / torch.sum over K and V (medians of 25 interleaved
+// rounds, two processes): 1024 keys a call (512 KB) 0.972 / 1.046, 2048 keys 0.974 / 1.045, 512
+// keys 1.005 / 1.045. (When each call's values were prefetched into L2 during its key pass, the
+// calls had to fit L2: 0.81 with 2048 keys against 0.88-0.91 with 1024.)
 constexpr int64_t kDecodeStreamBytes = 512 * 1024;
 
 // Keys per decode_chunk call: kDecodeStreamBytes of keys and values, and at least a tile's.
@@ -291,13 +291,10 @@ class DecodePass {
     }
     const int64_t visible_end = std::min(ke, start_[b] + t_);
     const int64_t per_call = stream_keys(hd_, sizeof(scalar_t));
-    bool cached = false;  // the call before asked for this call's values
     for (int64_t k0 = ks; k0 < visible_end; k0 += per_call) {
       const int64_t cols = std::min(visible_end, k0 + per_call) - k0;
-      const int64_t next = std::min(visible_end, k0 + cols + per_call) - (k0 + cols);  // the next call's keys
-      cached = tile::tile_ops<scalar_t>().decode_chunk(ws.q.data(), t_, keys + k0 * hd_, values + k0 * hd_, hd_, cols,
-                                                       hd_, scale_, start_[b] - k0, m, l, o, ws.buf.data(),
-                                                       next > 0 ? values + (k0 + cols) * hd_ : nullptr, next, cached);
+      tile::tile_ops<scalar_t>().decode_chunk(ws.q.data(), t_, keys + k0 * hd_, values + k0 * hd_, hd_, cols, hd_,
+                                              scale_, start_[b] - k0, m, l, o, ws.buf.data());
     }
   }
 

@@ -69,18 +69,14 @@ struct TileOps {
 
   // Decode, one chunk of n cached keys for a few query rows (q: rows x hd, acc_t, contiguous):
   // row i sees keys j <= i + causal_offset; updates its running max m, sum l and output o (hd),
-  // reading each key and value row once per query. buf: >= n scratch. Hints, which change no result:
-  // next_v (nullptr for none) is the first of the next call's next_n value rows (ld apart), which
-  // this call may ask into L2 while it sums its own values; values_cached says that the call before
-  // asked for this call's values (what it returned). Returns whether it asked for next_v's rows.
-  bool (*decode_chunk)(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_t* v, int64_t ld, int64_t n,
-                       int64_t hd, acc_t scale, int64_t causal_offset, acc_t* m, acc_t* l, acc_t* o, acc_t* buf,
-                       const scalar_t* next_v, int64_t next_n, bool values_cached);
+  // reading each key and value row once per query. buf: >= n scratch.
+  void (*decode_chunk)(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_t* v, int64_t ld, int64_t n,
+                       int64_t hd, acc_t scale, int64_t causal_offset, acc_t* m, acc_t* l, acc_t* o, acc_t* buf);
 
   // A linear layer on a few rows (a decode step): y[m * ld_y + o] = x[m, :] . w[o, :] (+ bias[o]) for
   // m < rows and o0 <= o < o1. x: rows x in, acc_t, contiguous (bfloat16/half inputs widened by the
   // caller); w: out x in, contiguous, its rows o0..o1 streamed from memory once (3 at a time stay in
-  // L1 while every x row passes, 8 x rows per pass on AVX-512 and 4 elsewhere; the rows two blocks
+  // L1 while every x row passes, 8 x rows per pass on AVX-512 and 4 elsewhere; the rows about 48 KB
   // further on, up to o1, prefetched into L2 meanwhile); bias: nullptr or out values. Sums in acc_t,
   // one rounding to the output.
   void (*linear_rows)(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o0,

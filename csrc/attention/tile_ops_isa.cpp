@@ -788,50 +788,12 @@ inline void dot_block(const float* a, const scalar_t* b, int64_t ld, int64_t hd,
 constexpr bool kBlockDots = false;
 #endif
 
-// Rows of memory (each row_lines cache lines long, ld_bytes apart) asked into L2 (prefetcht1) a line
-// at a time, spread over a loop that runs meanwhile: a hint, it changes no result and never faults.
-class LinePrefetch {
- public:
-  LinePrefetch() = default;
-  LinePrefetch(const void* first_row, int64_t ld_bytes, int64_t rows, int64_t row_bytes)
-      : row_(static_cast<const char*>(first_row)),
-        ld_bytes_(ld_bytes),
-        row_lines_((row_bytes + 63) / 64),
-        left_(first_row != nullptr && rows > 0 ? rows * row_lines_ : 0) {}
-  int64_t left() const { return left_; }
-  void ask() {  // the next line (with left() > 0)
-    __builtin_prefetch(row_ + 64 * line_, 0, 2);
-    if (++line_ == row_lines_) {
-      line_ = 0;
-      row_ += ld_bytes_;
-    }
-    --left_;
-  }
-  // Spread over `steps` steps of a loop: at each step, ask for the lines owed so far (Bresenham).
-  void step(int64_t lines, int64_t steps, int64_t& owed) {
-    for (owed += lines; owed >= steps && left_ > 0; owed -= steps) {
-      ask();
-    }
-  }
-  void rest() {
-    while (left_ > 0) {
-      ask();
-    }
-  }
-
- private:
-  const char* row_ = nullptr;
-  int64_t ld_bytes_ = 0, row_lines_ = 1, left_ = 0, line_ = 0;
-};
-
 // o[u * W + w] = o[.] * alpha + sum_j p[j] * v[j * ld + u * W + w] for u < U: U vectors of o stay in
 // registers while the n value rows stream past once (bfloat16/half widened in registers). Where the
 // registers allow, the even and the odd j sum in two chains, added at the end: a chain of dependent
-// fused multiply-adds waits their latency for every row, two halve that wait. The lines of pf are
-// asked for meanwhile, spread over the rows.
+// fused multiply-adds waits their latency for every row, two halve that wait.
 template <int U, typename scalar_t, typename acc_t>
-inline void weighted_block(const acc_t* p, const scalar_t* v, int64_t ld, int64_t n, acc_t alpha, acc_t* o,
-                           LinePrefetch& pf) {
+inline void weighted_block(const acc_t* p, const scalar_t* v, int64_t ld, int64_t n, acc_t alpha, acc_t* o) {
   constexpr int64_t W = Vec<acc_t>::size();
   constexpr int kChains = 2 * U <= W ? 2 : 1;  // 2U accumulators: up to 8 of AVX2's 16 registers, 16 of AVX512's 32
   const Vec<acc_t> valpha(alpha);
@@ -843,10 +805,7 @@ inline void weighted_block(const acc_t* p, const scalar_t* v, int64_t ld, int64_
     }
   }
   int64_t j = 0;
-  const int64_t pf_lines = pf.left(), pf_steps = n / kChains;
-  int64_t owed = 0;
   for (; j + kChains <= n; j += kChains) {
-    pf.step(pf_lines, pf_steps, owed);
     for (int c = 0; c < kChains; ++c) {
       const Vec<acc_t> pj(p[j + c]);
       const scalar_t* row = v + (j + c) * ld;
@@ -855,7 +814,6 @@ inline void weighted_block(const acc_t* p, const scalar_t* v, int64_t ld, int64_
       }
     }
   }
-  pf.rest();
   for (; j < n; ++j) {
     const Vec<acc_t> pj(p[j]);
     const scalar_t* row = v + j * ld;
@@ -872,31 +830,29 @@ inline void weighted_block(const acc_t* p, const scalar_t* v, int64_t ld, int64_
 }
 
 // o[d] = o[d] * alpha + sum_j p[j] * v[j * ld + d]: blocks of up to 8 vectors of o (hd = 64 is one
-// block on AVX2 and AVX512), so each value row is read once per query; a scalar tail past them. The
-// lines of pf are asked for during the first block.
+// block on AVX2 and AVX512), so each value row is read once per query; a scalar tail past them.
 template <typename scalar_t, typename acc_t>
-inline void weighted_rows(const acc_t* p, const scalar_t* v, int64_t ld, int64_t n, int64_t hd, acc_t alpha, acc_t* o,
-                          LinePrefetch pf = {}) {
+inline void weighted_rows(const acc_t* p, const scalar_t* v, int64_t ld, int64_t n, int64_t hd, acc_t alpha,
+                          acc_t* o) {
   int64_t d0 = 0;
   if constexpr (std::is_same_v<scalar_t, acc_t> || kReduced<scalar_t>) {
     constexpr int64_t W = Vec<acc_t>::size();
     for (; d0 + 8 * W <= hd; d0 += 8 * W) {
-      weighted_block<8>(p, v + d0, ld, n, alpha, o + d0, pf);
+      weighted_block<8>(p, v + d0, ld, n, alpha, o + d0);
     }
     if (d0 + 4 * W <= hd) {
-      weighted_block<4>(p, v + d0, ld, n, alpha, o + d0, pf);
+      weighted_block<4>(p, v + d0, ld, n, alpha, o + d0);
       d0 += 4 * W;
     }
     if (d0 + 2 * W <= hd) {
-      weighted_block<2>(p, v + d0, ld, n, alpha, o + d0, pf);
+      weighted_block<2>(p, v + d0, ld, n, alpha, o + d0);
       d0 += 2 * W;
     }
     if (d0 + W <= hd) {
-      weighted_block<1>(p, v + d0, ld, n, alpha, o + d0, pf);
+      weighted_block<1>(p, v + d0, ld, n, alpha, o + d0);
       d0 += W;
     }
   }
-  pf.rest();
   for (int64_t d = d0; d < hd; ++d) {
     acc_t acc = o[d] * alpha;
     for (int64_t j = 0; j < n; ++j) {
@@ -907,10 +863,7 @@ inline void weighted_rows(const acc_t* p, const scalar_t* v, int64_t ld, int64_t
 }
 
 // Asks for rows r of x (each `bytes` long, ld elements apart) to be brought into L2 (prefetcht1,
-// kLocality 2) or L1 (prefetcht0, 3); a hint, it never faults. The decode chunk's values go to L2: a
-// chunk's values (64 KB in float32) overflow Zen 4's 32 KB L1 and evicted each other and the keys;
-// into L2 the decode op went from 0.86 to 0.94 of `sum`'s read rate over the same K and V (median of
-// six alternating runs, float32).
+// kLocality 2) or L1 (prefetcht0, 3); a hint, it never faults.
 template <int kLocality = 2, typename scalar_t>
 inline void prefetch_rows(const scalar_t* x, int64_t ld, int64_t rows, int64_t bytes) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -921,19 +874,20 @@ inline void prefetch_rows(const scalar_t* x, int64_t ld, int64_t rows, int64_t b
   }
 }
 
-// The next call's values are asked for in float32 only. Float32, B=8, 12 heads of 64, 1024 keys a
-// call, 2 threads, each call after a 64 MB read, op / torch.sum over K and V (medians of 25 rounds):
-// context 2048, 0.95-0.99 where it was 0.98-1.02 (3 processes; 1.21-1.33 where it was 1.27-1.45 in
-// 3 slower ones); context 8192, 1.02 / 1.11 where it was 1.04 / 1.16. In bfloat16 (2048 keys a call)
-// it was slower at context 8192 in every variant tried (1.17-1.45 against 1.09-1.38): its value
-// loop, which widens every element, has no issue slots to spare for the hints.
+// Each query row's scores over the chunk's keys (one pass over the keys), its softmax update, then
+// its weighted sum of the values (one pass over the values). No software prefetch: each pass reads
+// its rows in address order, which the hardware's stream prefetchers follow. Asking for a chunk's
+// values into L2 during its key pass (and, in float32, for the next chunk's during its value pass)
+// had paid while the kernel was compute bound (0.86 -> 0.94 of `sum`'s rate) and on 4 KB pages;
+// once the cache sat on huge pages, the two plain passes took less time. Float32, B=8, ctx 2048,
+// 12 heads of 64, 2 threads, each call after a 64 MB read, op / torch.sum over K and V (medians of
+// 25 rounds, one process): 1.018-1.078 with no hint against 1.095-1.110 with both (3 processes);
+// context 8192 1.029 against 1.058; bfloat16 0.968 against 1.022, half 0.965 against 1.000; on
+// 4 KB pages 1.051-1.088 against 1.055-1.146; one thread 1.21 against 1.39. Asking for only the
+// first 2-32 KB of the values before the softmax (to start their stream early) changed nothing.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-bool decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_t* v, int64_t ld, int64_t n,
-                  int64_t hd, acc_t scale, int64_t causal_offset, acc_t* m, acc_t* l, acc_t* o, acc_t* buf,
-                  const scalar_t* next_v, int64_t next_n, bool values_cached) {
-  const int64_t row_bytes = hd * static_cast<int64_t>(sizeof(scalar_t));
-  const int64_t ld_bytes = ld * static_cast<int64_t>(sizeof(scalar_t));
-  bool asked_next = false;
+void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_t* v, int64_t ld, int64_t n,
+                  int64_t hd, acc_t scale, int64_t causal_offset, acc_t* m, acc_t* l, acc_t* o, acc_t* buf) {
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t visible = std::clamp<int64_t>(i + causal_offset + 1, 0, n);
     if (visible == 0) {
@@ -941,22 +895,13 @@ bool decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_
     }
     constexpr int kKeys = 8;  // keys per pass over the query row
     int64_t j = 0;
-    // The value rows of keys [j, j + count), read after the scores: their memory streams meanwhile
-    // (unless the call before asked for them).
-    const auto prefetch_values = [&](int64_t count) {
-      if (i == 0 && !values_cached) {
-        prefetch_rows(v + j * ld, ld, count, row_bytes);
-      }
-    };
     if constexpr (kBlockDots && std::is_same_v<acc_t, float>) {
       constexpr int64_t W = Vec<float>::size();  // keys per block
       for (; j + W <= visible; j += W) {
-        prefetch_values(W);
         dot_block(q + i * hd, k + j * ld, ld, hd, buf + j);
       }
     }
     for (; j + kKeys <= visible; j += kKeys) {
-      prefetch_values(kKeys);
       dot_rows<kKeys>(q + i * hd, k + j * ld, ld, hd, buf + j);
     }
     for (; j < visible; ++j) {
@@ -966,18 +911,8 @@ bool decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_
     const acc_t alpha = std::exp(m[i] - m_new);  // 0 when m[i] = -inf
     l[i] = l[i] * alpha + exp_scaled_inplace(buf, visible, scale, m_new);
     m[i] = m_new;
-    // The last row's pass over the values (from L2) reads no memory: the next call's values stream
-    // meanwhile.
-    LinePrefetch pf;
-    if (std::is_same_v<scalar_t, float> && i + 1 == rows && next_v != nullptr && next_n > 0) {
-      // (Rows back to back, as a cache's are: one range, so that no line is asked for twice.)
-      pf = ld_bytes == row_bytes ? LinePrefetch(next_v, 0, 1, next_n * row_bytes)
-                                 : LinePrefetch(next_v, ld_bytes, next_n, row_bytes);
-      asked_next = true;
-    }
-    weighted_rows(buf, v, ld, visible, hd, alpha, o + i * hd, pf);
+    weighted_rows(buf, v, ld, visible, hd, alpha, o + i * hd);
   }
-  return asked_next;
 }
 
 // Keeps v in a register (AVX-512, whose 32 registers hold the linear block's x vectors and
@@ -1127,12 +1062,17 @@ void linear_rows_block(const x_t* x, int64_t rows, int64_t in, const scalar_t* w
 template <typename scalar_t, typename Block = FmaBlock, typename x_t = at::opmath_type<scalar_t>>
 void linear_rows(const x_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o0,
                  int64_t o1, scalar_t* y, int64_t ld_y) {
-  // 3 weight rows per block; the rows kAhead blocks ahead are prefetched into L2 meanwhile, so
-  // that memory streams while the FMAs work. Measured on Zen 4 (qkv of the decode bench, weight
-  // from memory, 2 threads): 2 blocks ahead into L2 streams at 0.9 of torch's sum; 8 blocks ahead,
-  // or into L1, at 0.5-0.6.
+  // 3 weight rows per block; the rows of the block about kAheadBytes ahead are prefetched into L2
+  // meanwhile, so that memory streams while the FMAs work (into L1 they streamed at 0.5-0.6 of
+  // torch's sum). How far ahead, measured on Zen 4 (the decode bench's qkv, 8 x 768 by 2304 x 768,
+  // and proj, by 768 x 768, weight from memory, 2 threads, medians of 40 interleaved calls each
+  // after a 64 MB read, three processes): float32 qkv 0.33 / 0.29 / 0.29 / 0.28 ms at 2 / 4 / 6 / 8
+  // blocks (18 / 36 / 54 / 72 KB) ahead, proj 0.13 / 0.12 / 0.12 / 0.12; bfloat16 qkv 0.21 / 0.17
+  // / 0.17 / 0.17 at 2 / 4 / 6 / 11 blocks; one row 0.31-0.36 / 0.27-0.32 / 0.26-0.30 at 2 / 4 / 6.
   constexpr int kOut = 3;
-  constexpr int64_t kAhead = 2;
+  constexpr int64_t kAheadBytes = 48 * 1024;
+  const int64_t block_bytes = kOut * in * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t ahead = std::max<int64_t>(2, (kAheadBytes + block_bytes - 1) / std::max<int64_t>(block_bytes, 1));
   // The cache lines of w's rows [first, first + count) within [o0, o1): from the line of their
   // first byte to the line of their last; none when the range is empty.
   const auto lines_of = [&](int64_t first, int64_t count) -> std::pair<const char*, int64_t> {
@@ -1144,13 +1084,13 @@ void linear_rows(const x_t* x, int64_t rows, int64_t in, const scalar_t* w, cons
     const auto end = (reinterpret_cast<uintptr_t>(w + last * in) - 1) & ~uintptr_t(63);
     return {reinterpret_cast<const char*>(begin), static_cast<int64_t>((end - begin) / 64 + 1)};
   };
-  const auto [first_lines, n_first] = lines_of(o0, kAhead * kOut);
+  const auto [first_lines, n_first] = lines_of(o0, ahead * kOut);
   for (int64_t line = 0; line < n_first; ++line) {
     __builtin_prefetch(first_lines + 64 * line, 0, 2);
   }
   int64_t o = o0;
   for (; o + kOut <= o1; o += kOut) {
-    const auto [pf, lines] = lines_of(o + kAhead * kOut, kOut);
+    const auto [pf, lines] = lines_of(o + ahead * kOut, kOut);
     linear_rows_block<kOut, Block>(x, rows, in, w + o * in, bias, o, y, ld_y, pf, lines);
   }
   for (; o < o1; ++o) {
