@@ -51,11 +51,7 @@ at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight_in,
     return bias_in.has_value() ? y.copy_(bias_in->expand(sizes)) : y.zero_();
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "few_rows_linear", [&] {
-    const FewRowsProduct<scalar_t> product(x.reshape({rows, in}), weight_in, bias_in);
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, ceil_div(out_features, kFewRowsBlock), 1, [&](int64_t begin, int64_t end) {
-      product(begin * kFewRowsBlock, std::min(out_features, end * kFewRowsBlock), yp, out_features);
-    });
+    FewRowsProduct<scalar_t>(x.reshape({rows, in}), weight_in, bias_in).all(y.data_ptr<scalar_t>(), out_features);
   });
   return y;
 }

@@ -1,16 +1,16 @@
 // The few-rows linear product of a decode step (few_rows_linear_cpu, and the fused decode layer of
 // decode.cpp): x's rows prepared once, then any range of output features computed on its own, so
-// that work items split the weight's rows between threads. Each output is the same sum whichever
+// that threads split the weight's rows between them (all()). Each output is the same sum whichever
 // range computes it (linear_rows sums every output alone, in the same order), so a split never
 // changes a bit.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <optional>
-#include <utility>
 
 #include "tile_ops.h"
 
@@ -18,17 +18,6 @@ namespace causal_attention::kernels {
 
 // Output features per work item of few_rows_linear_cpu (a multiple of linear_rows' 3 weight rows).
 inline constexpr int64_t kFewRowsBlock = 96;
-
-// The output features [first, second) that thread `thread` of `threads` computes in
-// few_rows_linear_cpu's parallel_for over blocks of kFewRowsBlock (ATen's split of a range: equal
-// chunks of whole items, in thread order).
-inline std::pair<int64_t, int64_t> few_rows_share(int64_t out_features, int64_t thread, int64_t threads) {
-  const int64_t blocks = (out_features + kFewRowsBlock - 1) / kFewRowsBlock;
-  const int64_t used = std::min(threads, blocks);
-  const int64_t chunk = (blocks + used - 1) / std::max<int64_t>(used, 1);
-  const int64_t first = std::min(out_features, thread * chunk * kFewRowsBlock);
-  return {first, std::min(out_features, (thread + 1) * chunk * kFewRowsBlock)};
-}
 
 template <typename scalar_t>
 class FewRowsProduct {
@@ -46,13 +35,13 @@ class FewRowsProduct {
         weight_(weight.contiguous()),
         bias_(bias.has_value() ? bias->contiguous() : at::Tensor()) {}
 
-  // Asks for the weight rows [o0, o1) to be brought into L2 (prefetcht1; a hint, it never faults).
-  static void prefetch(const at::Tensor& weight, int64_t o0, int64_t o1) {
-    const char* first = static_cast<const char*>(weight.const_data_ptr()) + o0 * weight.stride(0) * weight.itemsize();
-    const int64_t bytes = std::max<int64_t>(0, o1 - o0) * weight.stride(0) * weight.itemsize();
-    for (int64_t b = 0; b < bytes; b += 64) {
-      __builtin_prefetch(first + b, 0, 2);
-    }
+  // Every output feature, blocks of kFewRowsBlock split between the threads: y[m * ld_y + o] for
+  // every row m and o < out.
+  void all(scalar_t* y, int64_t ld_y) const {
+    const int64_t out = weight_.size(0);
+    at::parallel_for(0, (out + kFewRowsBlock - 1) / kFewRowsBlock, 1, [&](int64_t begin, int64_t end) {
+      (*this)(begin * kFewRowsBlock, std::min(out, end * kFewRowsBlock), y, ld_y);
+    });
   }
 
   // y[m * ld_y + o] = x[m] . weight[o] (+ bias[o]) for every row m and o0 <= o < o1.

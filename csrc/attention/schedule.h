@@ -17,10 +17,9 @@ namespace causal_attention::kernels {
 // items from a shared counter, in the order given (the costliest first), until none is left. With
 // padding, sequences cost very different amounts (a static split of the items gave one thread
 // most of the long sequences); items write disjoint outputs, so the result does not depend on
-// which thread ran which. A thread that finds no item left runs done() (nothing by default).
-template <typename MakeWorkspace, typename Work, typename Done = void (*)()>
-void run_items(const std::vector<int64_t>& order, const MakeWorkspace& make_ws, const Work& work,
-               const Done& done = [] {}) {
+// which thread ran which.
+template <typename MakeWorkspace, typename Work>
+void run_items(const std::vector<int64_t>& order, const MakeWorkspace& make_ws, const Work& work) {
   std::atomic<int64_t> next{0};
   const auto n = static_cast<int64_t>(order.size());
   at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
@@ -28,7 +27,6 @@ void run_items(const std::vector<int64_t>& order, const MakeWorkspace& make_ws, 
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
       work(order[i], ws);
     }
-    done();
   });
 }
 

@@ -125,10 +125,8 @@ at::Tensor decode_attention_cpu(const at::Tensor& qkv, const at::Tensor& k_cache
 // key_padding_mask, t, max_len) (right padding and room checked), qkv = x (B, t, dim) @ qkv_weight^T
 // (+ qkv_bias), its real new keys and values written as kv_cache_write writes them, out =
 // proj(decode_attention(qkv)), and lengths advanced to end; the same values, bit for bit, as those
-// ops one after the other (the linear layers as few_rows_linear_cpu). The projections are computed
-// head by head inside the attention's parallel pass, so that one thread's projection (compute bound
-// at a few rows) overlaps another's streaming of the cache. Biases and the mask (bool (B, t), True =
-// real) are optional; no autograd. Returns (B, t, dim).
+// ops one after the other (the linear layers as few_rows_linear_cpu), which it runs in turn in one
+// call. Biases and the mask (bool (B, t), True = real) are optional; no autograd. Returns (B, t, dim).
 at::Tensor decode_layer_cpu(const at::Tensor& x, const at::Tensor& qkv_weight, const std::optional<at::Tensor>& qkv_bias,
                             const at::Tensor& proj_weight, const std::optional<at::Tensor>& proj_bias,
                             const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& lengths,
