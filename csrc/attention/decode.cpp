@@ -143,16 +143,18 @@ void kv_cache_write_cpu(const at::Tensor& qkv_in, const at::Tensor& k_cache, con
 
 namespace {
 
-// One thread's scratch, reused by every work item of its chunk.
+// One thread's scratch, reused by every work item of its chunk: for the tiles of many new queries,
+// or for the row-wise streaming of a few (whose ~90 KB of the tiles' scratch, zeroed with the caches
+// cold, had cost each thread of a decode step's pass).
 template <typename scalar_t>
 struct DecodeWorkspace {
   using acc_t = at::opmath_type<scalar_t>;
-  explicit DecodeWorkspace(int64_t hd)
-      : s(kDecodeRows * kDecodeChunk),
-        p_in(kReduced<scalar_t> ? kDecodeRows * kDecodeChunk : 0),
-        pv(kDecodeRows * hd),
-        q(kDecodeFewRows * hd),
-        alpha(kDecodeRows),
+  DecodeWorkspace(int64_t hd, bool tiles)
+      : s(tiles ? kDecodeRows * kDecodeChunk : 0),
+        p_in(tiles && kReduced<scalar_t> ? kDecodeRows * kDecodeChunk : 0),
+        pv(tiles ? kDecodeRows * hd : hd),  // (hd: merge_rows' scratch)
+        q(tiles ? 0 : kDecodeFewRows * hd),
+        alpha(tiles ? kDecodeRows : 0),
         buf(stream_keys(hd, sizeof(scalar_t))) {}
   std::vector<acc_t> s;         // scores, then P
   std::vector<scalar_t> p_in;   // P in the input type (bfloat16 / half)
@@ -201,7 +203,7 @@ class DecodePass {
     // core of a shared machine) takes fewer, where a static split left the other waiting at the end.
     const auto order = costliest_first(items(), [&](int64_t item) { return cost_of(item); });
     run_items(
-        order, [&] { return DecodeWorkspace<scalar_t>(hd_); },
+        order, [&] { return DecodeWorkspace<scalar_t>(hd_, t_ > kDecodeFewRows); },
         [&](int64_t item, DecodeWorkspace<scalar_t>& ws) { split(item, ws); });
     merge();
   }
@@ -455,9 +457,12 @@ at::Tensor decode_layer_cpu(const at::Tensor& x_in, const at::Tensor& qkv_weight
   // A thread out of items had also prefetched its share of the output projection's weight, 1.2 MB
   // into a 1 MB L2: without it, 0.03-0.1 ms less at context 2048 and 0.06 less at context 16.)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x_in.scalar_type(), "decode_layer", [&] {
+    // (The pass, whose state it allocates, is made before the cache is written: nothing is written
+    // where that fails.)
+    DecodePass<scalar_t> pass(qkv, k_cache, v_cache, s, e, n_heads, heads.data_ptr<scalar_t>());
     FewRowsProduct<scalar_t>(x_in.reshape({B * t, dim}), qkv_weight, qkv_bias).all(qkv.data_ptr<scalar_t>(), 3 * dim);
     CacheRows<scalar_t>(qkv, k_cache, v_cache, s, e, n_heads).write_all();
-    DecodePass<scalar_t>(qkv, k_cache, v_cache, s, e, n_heads, heads.data_ptr<scalar_t>()).run();
+    pass.run();
   });
   auto out = few_rows_linear_cpu(heads, proj_weight, proj_bias);
   advance();

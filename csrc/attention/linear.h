@@ -16,7 +16,8 @@
 
 namespace causal_attention::kernels {
 
-// Output features per work item of few_rows_linear_cpu (a multiple of linear_rows' 3 weight rows).
+// Output features per block of FewRowsProduct::all, the threads' unit (a multiple of linear_rows' 3
+// weight rows).
 inline constexpr int64_t kFewRowsBlock = 96;
 
 template <typename scalar_t>
@@ -39,6 +40,7 @@ class FewRowsProduct {
   // every row m and o < out.
   void all(scalar_t* y, int64_t ld_y) const {
     const int64_t out = weight_.size(0);
+    TORCH_INTERNAL_ASSERT_DEBUG_ONLY(ld_y >= out);
     at::parallel_for(0, (out + kFewRowsBlock - 1) / kFewRowsBlock, 1, [&](int64_t begin, int64_t end) {
       (*this)(begin * kFewRowsBlock, std::min(out, end * kFewRowsBlock), y, ld_y);
     });

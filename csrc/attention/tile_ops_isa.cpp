@@ -862,14 +862,14 @@ inline void weighted_rows(const acc_t* p, const scalar_t* v, int64_t ld, int64_t
   }
 }
 
-// Asks for rows r of x (each `bytes` long, ld elements apart) to be brought into L2 (prefetcht1,
-// kLocality 2) or L1 (prefetcht0, 3); a hint, it never faults.
-template <int kLocality = 2, typename scalar_t>
+// Asks for rows r of x (each `bytes` long, ld elements apart) to be brought into L1 (prefetcht0); a
+// hint, it never faults.
+template <typename scalar_t>
 inline void prefetch_rows(const scalar_t* x, int64_t ld, int64_t rows, int64_t bytes) {
   for (int64_t r = 0; r < rows; ++r) {
     const char* row = reinterpret_cast<const char*>(x + r * ld);
     for (int64_t b = 0; b < bytes; b += 64) {
-      __builtin_prefetch(row + b, 0, kLocality);
+      __builtin_prefetch(row + b, 0, 3);
     }
   }
 }
@@ -980,8 +980,8 @@ inline void linear_block(const acc_t* x, const scalar_t* w, int64_t in, acc_t* s
   }
   // The scalar tail, rounded the same way in every block shape: GCC contracts a * b + c into a fused
   // multiply-add where it vectorises (-ffp-contract=fast, its C++ default), which it did for some
-  // RM x RO blocks and not others, so an output's bits depended on the block that computed it (the
-  // fused decode step's heads cut the weight's rows into other blocks than few_rows_linear's). An
+  // RM x RO blocks and not others, so an output's bits depended on the block that computed it (a
+  // range of output features may start anywhere: FewRowsProduct promises the same bits). An
   // explicit fused multiply-add where the build has one; a multiply and an add, never contracted,
   // where it has not.
   for (; d < in; ++d) {
@@ -1221,7 +1221,7 @@ CA_BF16_TARGET void pair_panels(const c10::BFloat16* src, int64_t rs, int64_t cs
       const bool second = 2 * p + 1 < k;
       const int64_t ahead = 2 * (p + kPairsAhead);  // the pair's first row
       if (ahead < k) {
-        prefetch_rows<3>(src + ahead * rs, rs, std::min<int64_t>(2, k - ahead),
+        prefetch_rows(src + ahead * rs, rs, std::min<int64_t>(2, k - ahead),
                          whole * static_cast<int64_t>(sizeof(c10::BFloat16)));
       }
       for (int64_t j0 = 0; j0 < whole; j0 += kPanel) {
@@ -1239,7 +1239,7 @@ CA_BF16_TARGET void pair_panels(const c10::BFloat16* src, int64_t rs, int64_t cs
     if (rs == 1 && width == kPanel) {  // B's columns (keys as rows): their pairs are adjacent already
       // The next panel's 16 rows, asked for now (rows far apart, as for the row path above).
       if (j0 + 2 * kPanel <= n) {
-        prefetch_rows<3>(src + (j0 + kPanel) * cs, cs, kPanel, k * static_cast<int64_t>(sizeof(c10::BFloat16)));
+        prefetch_rows(src + (j0 + kPanel) * cs, cs, kPanel, k * static_cast<int64_t>(sizeof(c10::BFloat16)));
       }
       for (; 2 * (p0 + 16) <= k; p0 += 16) {  // 16 keys x 16 pairs at a time, transposed in registers
         __m512i r[16];

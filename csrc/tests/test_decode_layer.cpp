@@ -1,9 +1,9 @@
 // The fused decode step (kernels::decode_layer_cpu) against the four ops it fuses, run one after the
 // other: few_rows_linear_cpu (qkv), kv_cache_write_cpu, decode_attention_cpu, few_rows_linear_cpu
 // (proj). Output and caches bit for bit the same, in float64, float32, bfloat16 and half, with and
-// without biases, on ragged caches with padded new tokens, at 1, 2 and 3 threads (the fused pass's
-// threads wait for each other's projections: a thread that read a head's q before it was computed
-// would read uninitialised memory); the lengths advance by the real new tokens. Its errors name the
+// without biases, on ragged caches with padded new tokens, at 1, 2 and 3 threads (each pass splits its
+// weight rows and work items between the threads in its own way, and the bits must not move); the
+// lengths advance by the real new tokens. Its errors name the
 // argument and leave the cache and the lengths as they were.
 #include <gtest/gtest.h>
 #include <torch/torch.h>

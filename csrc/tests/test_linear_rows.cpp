@@ -3,8 +3,8 @@
 // in [o0, o1) against float64 x w^T + b over the same (rounded) operands, elementwise within a bound
 // derived from the data, and nothing written outside [o0, o1). Row counts below, at and across the
 // builds' row blocks (8 on AVX-512, 4 on AVX2, then 4 / 2 / 1), input sizes that are and are not whole
-// vectors (the scalar tail), weight ranges that do and do not fill the 3-row blocks and the prefetch
-// window ahead of them; and the bfloat16 pair kernel (linear_rows_pairs) where the CPU has AVX512-BF16.
+// vectors (the scalar tail), weight ranges that do and do not fill the 3-row blocks (and, at the
+// largest input size, run past the first prefetch window); and the bfloat16 pair kernel (linear_rows_pairs) where the CPU has AVX512-BF16.
 // Every output also one at a time: the same bits whichever block computes it.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -47,8 +47,8 @@ void check_case(const tile::TileOps<scalar_t>& ops, torch::ScalarType dtype, int
                     y.data_ptr<scalar_t>(), ld_y);
   }
   // Each output is the same sum whichever block computes it (the 3-row blocks, a lone row, where a
-  // range starts: the fused decode step cuts the weight's rows by head): one output at a time, the
-  // same bits.
+  // range starts: FewRowsProduct takes any range, and the threads' split moves where ranges start):
+  // one output at a time, the same bits.
   auto y_one = torch::zeros_like(y);
   for (int64_t o = o0; o < o1; ++o) {
     if (pairs) {

@@ -46,6 +46,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -292,6 +293,9 @@ def decode_rows(*, B: int = 8, ctx: int = 2048, dim: int = 768, H: int = 12,
     rows: list[dict[str, float | str]] = []
     hd = dim // H
     fns: dict[str, Callable[[], object]] = {}
+    # Each layer's step advances its cache's lengths; they are set back between the calls, untimed
+    # (in the call, the reset was an op call of its own with the caches cold, ~10 us).
+    resets: list[Callable[[], object]] = []
     for dtype in dtypes:
         attn = CausalSelfAttention(dim, H, dtype=dtype)
         cache = attn.make_cache(B, ctx + 1)
@@ -303,10 +307,9 @@ def decode_rows(*, B: int = 8, ctx: int = 2048, dim: int = 768, H: int = 12,
             qkv = attn.qkv(x)
         start = cache.lengths.clone()
         end = start + 1
+        resets.append(partial(cache.lengths.copy_, start))
 
-        def layer_step(attn: CausalSelfAttention = attn, cache: KVCache = cache, x: Tensor = x,
-                       start: Tensor = start) -> None:
-            cache.lengths.copy_(start)
+        def layer_step(attn: CausalSelfAttention = attn, cache: KVCache = cache, x: Tensor = x) -> None:
             attn(x, cache=cache)
 
         def attention_op(qkv: Tensor = qkv, cache: KVCache = cache, start: Tensor = start, end: Tensor = end) -> None:
@@ -317,9 +320,7 @@ def decode_rows(*, B: int = 8, ctx: int = 2048, dim: int = 768, H: int = 12,
         if dtype == torch.float32:
             # What the layer's one fused op (decode_layer) replaces: the module's step op by op (its
             # path where decode_layer does not apply), from the same checked entry point.
-            def op_by_op(attn: CausalSelfAttention = attn, cache: KVCache = cache, x: Tensor = x,
-                         start: Tensor = start) -> None:
-                cache.lengths.copy_(start)
+            def op_by_op(attn: CausalSelfAttention = attn, cache: KVCache = cache, x: Tensor = x) -> None:
                 few_rows_linear(attn.proj, attn.attend(few_rows_linear(attn.qkv, x), None, cache=cache))
 
             fns["unfused float32"] = op_by_op
@@ -346,8 +347,14 @@ def decode_rows(*, B: int = 8, ctx: int = 2048, dim: int = 768, H: int = 12,
     # (The copy's last dirty lines are now written back in the untimed read: its rate, the
     # ceiling, is if anything a little high, and the fractions of it a little low.)
     settle = torch.ones(max(64 * 2**20, 2 * last_level_cache_bytes()) // 4)
+
+    def after_call() -> None:
+        for reset in resets:
+            reset()
+        settle.sum()
+
     with torch.no_grad():
-        times = interleaved_times(fns, repeats=repeats, warmup=2, after_call=settle.sum)
+        times = interleaved_times(fns, repeats=repeats, warmup=2, after_call=after_call)
     t = medians(times)
     copy_bytes = 2 * src.numel() * 4  # read + write
     copy_gbs = copy_bytes / t["copy"] / 1e9

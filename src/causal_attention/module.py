@@ -300,8 +300,8 @@ class CausalSelfAttention(nn.Module):
         the same output, cache and lengths, bit for bit, as the qkv projection, the cached attention
         and the output projection one after the other, where both projections would take
         few_rows_matmul's engine path and the attention the engine's; None elsewhere (the caller's
-        path): one op call where the path op by op makes four, each paying its call with the caches
-        cold. mask: bool (B, t) or None. Returns (B, t, dim).
+        path): one op call where the path op by op makes five engine ops and a copy, each paying its
+        call with the caches cold. mask: bool (B, t) or None. Returns (B, t, dim).
         """
         # (The four tensors by name: nn.Module.parameters() walks the module tree, which costs more
         # than the checks themselves when a step's Python runs with cold caches, as it does.)
