@@ -227,6 +227,13 @@ at::Tensor GPTImpl::head_weight() const { return config_.tie_head ? tok->weight 
 std::vector<KVCache> GPTImpl::make_caches(int64_t batch_size, int64_t max_len) const {
   TORCH_CHECK_VALUE(max_len > 0 && max_len <= config_.max_len, "make_caches: max_len must be in 1..", config_.max_len,
                     "; got ", max_len);
+  // A decode step streams every weight: on the CPU they move onto huge pages in place, as the
+  // caches' buffers are (each layer's make_cache then finds its attention's weights moved).
+  for (const auto& parameter : parameters()) {
+    if (parameter.device().is_cpu()) {
+      kernels::advise_huge_pages(parameter);
+    }
+  }
   std::vector<KVCache> caches;
   for (const auto& block : *blocks) caches.push_back(block->as<BlockImpl>()->attn->make_cache(batch_size, max_len));
   return caches;

@@ -95,6 +95,13 @@ bool CausalSelfAttentionImpl::decode_layer_applies(const at::Tensor& x) const {
 }
 
 KVCache CausalSelfAttentionImpl::make_cache(int64_t batch_size, int64_t max_len) const {
+  // A decode step streams the weights with the cache: on the CPU they move onto huge pages too, in
+  // place (kernels::advise_huge_pages).
+  for (const auto* weight : {&qkv->weight, &proj->weight}) {
+    if (weight->device().is_cpu()) {
+      kernels::advise_huge_pages(*weight);
+    }
+  }
   return KVCache(batch_size, n_heads_, head_dim(), max_len, qkv->weight.options());
 }
 

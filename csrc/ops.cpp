@@ -12,6 +12,7 @@
 //   mask_to_bool(key_padding_mask) -> mask                              checks an integer mask's values
 //   cache_end(lengths, key_padding_mask, new_tokens, max_len) -> end    checks a cache step
 //   cache_zeros(size, dtype, device=None) -> zeros                     a KV cache buffer, on the CPU on huge pages
+//   advise_huge_pages(tensor) -> bytes                                 a CPU tensor's memory onto huge pages, in place
 //
 // On CPU, `attention` runs the fused kernels with a C++ autograd function (the C++ module's path);
 // on other devices it is the ATen composition (kernels::attention_composite). The Python front
@@ -235,6 +236,7 @@ TORCH_LIBRARY(causal_attention, m) {
   m.def("cache_end(Tensor lengths, Tensor? key_padding_mask, int new_tokens, int max_len) -> Tensor");
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("cache_zeros(int[] size, ScalarType dtype, Device? device=None) -> Tensor");
+  m.def("advise_huge_pages(Tensor tensor) -> int");
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, Autograd, m) {
@@ -245,6 +247,7 @@ TORCH_LIBRARY_IMPL(causal_attention, Autograd, m) {
   m.impl("attention_backward", torch::autograd::autogradNotImplementedFallback());
   m.impl("few_rows_linear", torch::autograd::autogradNotImplementedFallback());  // inference only
   m.impl("decode_layer", torch::autograd::autogradNotImplementedFallback());     // inference only
+  m.impl("advise_huge_pages", torch::autograd::autogradNotImplementedFallback());  // no tensor out
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, CompositeExplicitAutograd, m) {
@@ -265,6 +268,7 @@ TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {
   m.impl("cache_end", &cache_end_meta);
   m.impl("few_rows_linear", &few_rows_linear_meta);
   m.impl("decode_layer", &decode_layer_meta);
+  m.impl("advise_huge_pages", [](const at::Tensor&) -> int64_t { return 0; });  // no memory to advise
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
@@ -275,6 +279,7 @@ TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
   m.impl("decode_attention", &kernels::decode_attention_cpu);
   m.impl("few_rows_linear", &kernels::few_rows_linear_cpu);
   m.impl("decode_layer", &kernels::decode_layer_cpu);
+  m.impl("advise_huge_pages", &kernels::advise_huge_pages);
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, CatchAll, m) {

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from causal_attention import CausalSelfAttention, KVCache, backends
+from causal_attention.cache import advise_huge_pages
 from causal_attention.gpt import GPTConfig, TinyGPT
 from conftest import rel_err
 
@@ -698,6 +699,53 @@ def test_a_large_cpu_cache_is_zeroed_and_advised_onto_huge_pages(dtype):
     grown = cache.v.clone()
     cache.v.resize_(4 * 4 * 2055 * 64 * 2)
     assert torch.equal(cache.v[: grown.numel()].view_as(grown), grown)
+
+
+def _anon_huge_bytes(address: int) -> int:
+    """The bytes on transparent huge pages (AnonHugePages) of the mapping that holds address."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(a, 16) for a in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_make_cache_moves_the_layer_weights_onto_huge_pages_in_place():
+    """make_cache moves the whole huge pages inside the layer's weights onto huge pages in place
+    (advise_huge_pages): the same tensors, addresses and values (and the same step), the advice on
+    those pages (VmFlags "hg"); what the kernel reports moved is whole pages inside the storage and
+    shows as AnonHugePages (whether it moves them depends on its version and free memory)."""
+    huge = _huge_page_bytes()
+    attn = CausalSelfAttention(768, 12).eval()  # qkv weight 6.75 MB in float32: whole pages inside
+    weights = (attn.qkv.weight, attn.proj.weight)
+    values = [w.detach().clone() for w in weights]
+    addresses = [w.data_ptr() for w in weights]
+    x = torch.randn(2, 1, 768)
+    with torch.no_grad():
+        expected = attn(x, cache=attn.make_cache(2, 8))
+        cache = attn.make_cache(2, 8)
+        assert torch.equal(attn(x, cache=cache), expected)
+    assert [w.data_ptr() for w in weights] == addresses
+    assert all(torch.equal(w, v) for w, v in zip(weights, values))
+    assert attn.qkv.weight is weights[0] and attn.qkv.weight.requires_grad
+    address, size = attn.qkv.weight.data_ptr(), attn.qkv.weight.untyped_storage().nbytes()
+    begin = (address + huge - 1) // huge * huge
+    whole = (address + size - begin) // huge * huge
+    assert whole >= huge
+    moved = advise_huge_pages([attn.qkv.weight])
+    assert moved % huge == 0 and 0 <= moved <= whole
+    if sys.platform == "linux":
+        assert "hg" in (_vm_flags(begin) or []), "the weight's whole huge pages were not advised"
+        if moved:
+            assert _anon_huge_bytes(begin) >= moved
+    # Nothing to move: smaller than a huge page, or not on the CPU (meta: no memory).
+    assert advise_huge_pages([torch.ones(16, 16), torch.empty(1 << 22, device="meta")]) == 0
+    assert torch.ops.causal_attention.advise_huge_pages(torch.empty(1 << 22, device="meta")) == 0
 
 
 def test_small_fake_and_traced_caches():

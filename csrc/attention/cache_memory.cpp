@@ -1,4 +1,5 @@
-// KV cache buffers on transparent huge pages (see cache_zeros in attention.h).
+// KV cache buffers on transparent huge pages, and weights moved onto them in place (see cache_zeros
+// and advise_huge_pages in attention.h).
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/Allocator.h>
@@ -121,6 +122,37 @@ at::Tensor cache_zeros(at::IntArrayRef size, at::ScalarType dtype, std::optional
   at::Tensor out = at::detail::empty_generic(size, &allocator, c10::DispatchKeySet(c10::DispatchKey::CPU), dtype,
                                              std::nullopt);
   return out.zero_();  // the first touch: the pages are made here, huge where the advice took
+}
+
+int64_t advise_huge_pages(const at::Tensor& tensor) {
+  TORCH_CHECK_VALUE(tensor.defined(), "advise_huge_pages: tensor must be defined");
+  TORCH_CHECK_VALUE(tensor.device().is_cpu(), "advise_huge_pages takes a CPU tensor; got one on ", tensor.device());
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const at::Storage& storage = tensor.storage();
+  const auto first = reinterpret_cast<uintptr_t>(storage.data());
+  const size_t huge = huge_page_bytes();
+  // The whole huge pages inside the storage's bytes: its neighbours' memory is never advised.
+  const uintptr_t begin = (first + huge - 1) & ~(uintptr_t{huge} - 1);
+  const uintptr_t end = (first + storage.nbytes()) & ~(uintptr_t{huge} - 1);
+  if (first == 0 || end <= begin) {
+    return 0;
+  }
+  void* p = reinterpret_cast<void*>(begin);
+  const size_t bytes = end - begin;
+  if (madvise(p, bytes, MADV_HUGEPAGE) != 0) {
+    return 0;  // a hint: where the kernel refuses it (THP off for this process), the pages stay small
+  }
+#if defined(MADV_COLLAPSE)
+  constexpr int kCollapse = MADV_COLLAPSE;
+#else
+  constexpr int kCollapse = 25;  // Linux 6.1's MADV_COLLAPSE; older headers lack it, older kernels refuse it
+#endif
+  // The pages already there (the advice acts on pages made after it) copied onto huge pages now,
+  // the values unchanged; where the kernel cannot (an older kernel, no huge page free), as they were.
+  return madvise(p, bytes, kCollapse) == 0 ? static_cast<int64_t>(bytes) : 0;
+#else
+  return 0;
+#endif
 }
 
 }  // namespace causal_attention::kernels

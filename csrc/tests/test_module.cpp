@@ -2,7 +2,15 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdint>
+#include <fstream>
 #include <limits>
+#include <sstream>
+#include <string>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "causal_attention/attention.h"
 #include "causal_attention/module.h"
@@ -239,6 +247,78 @@ TEST(KVCache, LargeCpuBuffersAreZeroedOnWholeHugePages) {
   const auto small = attn->make_cache(1, 2);
   EXPECT_EQ(small.k.count_nonzero().item<int64_t>(), 0);
   EXPECT_THROW(causal_attention::kernels::cache_zeros({2, -1}, torch::kFloat), c10::ValueError);
+}
+
+// The kernel's transparent huge page size (hpage_pmd_size), else 2 MB.
+uintptr_t huge_page_bytes() {
+  std::ifstream file("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size");
+  uintptr_t bytes = 0;
+  return file >> bytes && bytes > 0 ? bytes : uintptr_t{2} << 20;
+}
+
+// Whether the mapping of this process that holds address is advised to take huge pages (its
+// VmFlags in /proc/self/smaps hold "hg").
+bool advised_huge(uintptr_t address) {
+  std::ifstream smaps("/proc/self/smaps");
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    std::istringstream words(line);
+    std::string head;
+    words >> head;
+    if (const auto dash = head.find('-'); dash != std::string::npos && head.back() != ':') {
+      const auto lo = std::stoull(head.substr(0, dash), nullptr, 16), hi = std::stoull(head.substr(dash + 1), nullptr, 16);
+      inside = lo <= address && address < hi;
+    } else if (inside && head == "VmFlags:") {
+      for (std::string flag; words >> flag;) {
+        if (flag == "hg") {
+          return true;
+        }
+      }
+      return false;
+    }
+  }
+  return false;
+}
+
+TEST(KVCache, MakeCacheMovesTheWeightsOntoHugePagesInPlace) {
+  // make_cache moves the whole huge pages inside the layer's weights onto huge pages, in place
+  // (kernels::advise_huge_pages): the same address, the same values, the advice on those pages
+  // (whether the kernel then moved them depends on its version and free memory, not on the code:
+  // what it reports moved is whole pages inside the storage).
+  const uintptr_t huge = huge_page_bytes();
+  CausalSelfAttention attn(768, 12);  // qkv weight 6.75 MB in float32: whole huge pages inside
+  const auto weight = attn->qkv->weight;
+  const auto before = weight.detach().clone();
+  const auto address = reinterpret_cast<uintptr_t>(weight.data_ptr());
+  attn->make_cache(1, 4);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(weight.data_ptr()), address);
+  EXPECT_TRUE(torch::equal(weight, before));
+  const uintptr_t begin = (address + huge - 1) & ~(huge - 1);
+  const auto bytes = static_cast<uintptr_t>(weight.nbytes());
+  const int64_t moved = causal_attention::kernels::advise_huge_pages(weight);
+  EXPECT_GE(moved, 0);
+  EXPECT_EQ(static_cast<uintptr_t>(moved) % huge, 0u);
+  EXPECT_LE(static_cast<uintptr_t>(moved), (address + bytes - begin) / huge * huge);
+#if defined(__linux__)
+  EXPECT_TRUE(advised_huge(begin)) << "the weight's whole huge pages were not advised";
+  // Only the whole pages inside the storage are advised: on a fresh mapping of our own (no advice
+  // from earlier tests), the bytes before and after them are not.
+  const size_t span = 4 * huge;
+  void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(raw, MAP_FAILED);
+  const auto base = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t first = ((base + huge - 1) & ~(huge - 1)) + 4096;  // 4 KB past a huge-page boundary
+  const int64_t n = static_cast<int64_t>((2 * huge) / sizeof(float));  // 2 huge pages: one whole inside
+  auto blob = torch::from_blob(reinterpret_cast<void*>(first), {n}, torch::kFloat).fill_(1.5f);
+  EXPECT_EQ(static_cast<uintptr_t>(causal_attention::kernels::advise_huge_pages(blob)) % huge, 0u);
+  EXPECT_TRUE(torch::all(blob == 1.5f).item<bool>());
+  EXPECT_FALSE(advised_huge(first));
+  EXPECT_TRUE(advised_huge(first - 4096 + huge));
+  EXPECT_FALSE(advised_huge(first - 4096 + 2 * huge));
+  munmap(raw, span);
+#endif
+  EXPECT_EQ(causal_attention::kernels::advise_huge_pages(torch::ones({16, 16})), 0);  // no whole page
+  EXPECT_THROW(causal_attention::kernels::advise_huge_pages(torch::empty({4}, torch::kMeta)), c10::ValueError);
 }
 
 TEST(KVCache, OverflowAndMisuseAreClearErrors) {

@@ -11,10 +11,15 @@ attended to (ragged batches without left padding).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+# Transparent huge pages are 2 MB on x86-64 (and on arm64 with 4 KB pages); below that a tensor
+# spans no whole huge page (the engine reads the kernel's own size).
+_HUGE_PAGE = 2 << 20
 
 
 def cache_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None) -> Tensor:
@@ -28,6 +33,24 @@ def cache_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
         return torch.zeros(shape, dtype=dtype, device=device)
     where = torch.device(device if device is not None else torch.get_default_device())
     return torch.ops.causal_attention.cache_zeros(list(shape), dtype, where)
+
+
+def advise_huge_pages(tensors: Iterable[Tensor]) -> int:
+    """Moves the whole huge pages inside each CPU tensor's memory onto huge pages, in place, by the
+    engine's advise_huge_pages (Linux 6.1 and later): the values, the addresses and the tensors stay
+    as they are. make_cache calls it on the layer's weights, which a decode step streams with the
+    cache. Returns the bytes the kernel moved (0 where it could not, or where there is nothing to
+    move: tensors not on the CPU or smaller than a huge page, without the engine, while compiling or
+    exporting)."""
+    from . import _ops
+
+    if not _ops.core_loaded() or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return 0
+    moved = 0
+    for tensor in tensors:
+        if tensor.device.type == "cpu" and tensor.untyped_storage().nbytes() >= _HUGE_PAGE:
+            moved += int(torch.ops.causal_attention.advise_huge_pages(tensor))
+    return moved
 
 
 @dataclass

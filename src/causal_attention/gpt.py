@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from .cache import KVCache
+from .cache import KVCache, advise_huge_pages
 from .module import CausalSelfAttention, _tracing, few_rows_linear, few_rows_matmul, normalize_key_padding_mask
 
 Activation = Literal["gelu", "gelu_tanh"]
@@ -206,7 +206,9 @@ class GPT(nn.Module):
         return self.tok.weight if self.config.tie_head else self.head.weight
 
     def make_caches(self, batch_size: int, max_len: int | None = None) -> list[KVCache]:
-        """One empty KV cache per layer."""
+        """One empty KV cache per layer. On the CPU the model's weights are also moved onto huge
+        pages in place where they span one (advise_huge_pages): a decode step streams them all."""
+        advise_huge_pages(self.parameters())
         return [b.attn.make_cache(batch_size, max_len or self.config.max_len) for b in self.blocks]
 
     def _embed(self, tokens: Tensor, caches: list[KVCache] | None) -> Tensor:

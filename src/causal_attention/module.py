@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from . import _ops, backends, reference
 from .backends import Backend
-from .cache import KVCache
+from .cache import KVCache, advise_huge_pages
 
 
 def _check_positive_int(name: str, value: object) -> int:
@@ -180,7 +180,10 @@ class CausalSelfAttention(nn.Module):
     def make_cache(
         self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
     ) -> KVCache:
-        """An empty KV cache for this layer: (batch_size, n_heads, max_len, head_dim) keys and values."""
+        """An empty KV cache for this layer: (batch_size, n_heads, max_len, head_dim) keys and values.
+        On the CPU, the layer's weights are also moved onto huge pages in place where they span one
+        (advise_huge_pages), as the cache's buffers are: a decode step streams both."""
+        advise_huge_pages((self.qkv.weight, self.proj.weight))
         return KVCache.empty(
             batch_size,
             self.n_heads,

@@ -60,6 +60,8 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   // padding, says which). Same contract as the Python forward(x, mask, cache=cache).
   at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& key_padding_mask, KVCache& cache);
 
+  // An empty cache of this layer's dtype and device; on the CPU the layer's weights are also moved
+  // onto huge pages in place where they span one (kernels::advise_huge_pages), as the cache is.
   KVCache make_cache(int64_t batch_size, int64_t max_len) const;
 
   // Whether forward(x, mask, cache) runs its step as one kernels::decode_layer_cpu call: at most
