@@ -279,7 +279,7 @@ DECODE_UNFUSED_ROW = "decode step: whole layer, op by op (no decode_layer)"
 
 
 def decode_rows(*, B: int = 8, ctx: int = 2048, dim: int = 768, H: int = 12,
-                dtypes: tuple[torch.dtype, ...] = DECODE_DTYPES, repeats: int = 9) -> list[dict[str, float | str]]:
+                dtypes: tuple[torch.dtype, ...] = DECODE_DTYPES, repeats: int = 25) -> list[dict[str, float | str]]:
     """A single-token decode step at B, context ctx, dim, H heads in each of dtypes (float32 first):
     the layer and its attention op alone, all timed in one interleaved group with a copy of as many
     bytes as the float32 K and V hold (the bandwidth ceiling, read + write bytes per second); each
