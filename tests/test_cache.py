@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+import os
 import sys
 
 import pytest
@@ -715,37 +717,119 @@ def _anon_huge_bytes(address: int) -> int:
     return 0
 
 
-def test_make_cache_moves_the_layer_weights_onto_huge_pages_in_place():
-    """make_cache moves the whole huge pages inside the layer's weights onto huge pages in place
-    (advise_huge_pages): the same tensors, addresses and values (and the same step), the advice on
-    those pages (VmFlags "hg"); what the kernel reports moved is whole pages inside the storage and
-    shows as AnonHugePages (whether it moves them depends on its version and free memory)."""
+def _fresh_floats(numel: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """numel float32 values on an anonymous mapping of their own (no advice from earlier tests: freed
+    memory keeps it), starting 4 KB past a huge-page boundary; the mapping keeps them alive."""
     huge = _huge_page_bytes()
-    attn = CausalSelfAttention(768, 12).eval()  # qkv weight 6.75 MB in float32: whole pages inside
-    weights = (attn.qkv.weight, attn.proj.weight)
-    values = [w.detach().clone() for w in weights]
-    addresses = [w.data_ptr() for w in weights]
+    mapping = mmap.mmap(-1, numel * 4 + 2 * huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
+    offset = (-base) % huge + 4096
+    return mapping, torch.frombuffer(mapping, dtype=torch.float32, count=numel, offset=offset)
+
+
+def _kernel_collapses() -> bool:
+    """Whether this kernel moves a private anonymous huge page's worth of small pages onto a huge
+    page when asked (madvise MADV_COLLAPSE, Linux 6.1; THP not "never", a huge page free)."""
+    huge = _huge_page_bytes()
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        if "[never]" in f.read():
+            return False
+    mapping = mmap.mmap(-1, 2 * huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.write(b"\1" * (2 * huge))
+    offset = (-torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()) % huge
+    try:
+        mapping.madvise(25, offset, huge)  # MADV_COLLAPSE (Python's mmap module has no name for it)
+    except OSError:
+        return False
+    return True
+
+
+def _on_fresh_memory(parameter: torch.nn.Parameter) -> tuple[mmap.mmap, int]:
+    """Moves parameter's values onto _fresh_floats (the same Parameter); returns the mapping and the
+    address of the first whole huge page inside them."""
+    mapping, fresh = _fresh_floats(parameter.numel())
+    with torch.no_grad():
+        fresh.copy_(parameter.reshape(-1))
+        parameter.data = fresh.view_as(parameter)
+    return mapping, parameter.data_ptr() - 4096 + _huge_page_bytes()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise and /proc/self/smaps are Linux's")
+def test_make_cache_moves_the_layer_weights_onto_huge_pages_in_place():
+    """make_cache advises the whole huge pages inside the layer's weights (VmFlags "hg"), and only
+    those, and moves them in place: the same tensors, addresses and values, the same step. What the
+    kernel reports moved is whole pages inside the storage and shows as AnonHugePages (whether it
+    moves them depends on its version and free memory)."""
+    huge = _huge_page_bytes()
+    attn = CausalSelfAttention(768, 12).eval()  # qkv weight 6.75 MB in float32
+    mapping, begin = _on_fresh_memory(attn.qkv.weight)
+    weight = attn.qkv.weight
+    value, address = weight.detach().clone(), weight.data_ptr()
+    whole = (address + weight.nbytes - begin) // huge * huge
+    if whole < huge:
+        pytest.skip(f"no whole huge page of {huge} bytes inside a 6.75 MB weight")
+    assert "hg" not in (_vm_flags(begin) or [])
     x = torch.randn(2, 1, 768)
     with torch.no_grad():
-        expected = attn(x, cache=attn.make_cache(2, 8))
-        cache = attn.make_cache(2, 8)
-        assert torch.equal(attn(x, cache=cache), expected)
-    assert [w.data_ptr() for w in weights] == addresses
-    assert all(torch.equal(w, v) for w, v in zip(weights, values))
-    assert attn.qkv.weight is weights[0] and attn.qkv.weight.requires_grad
-    address, size = attn.qkv.weight.data_ptr(), attn.qkv.weight.untyped_storage().nbytes()
-    begin = (address + huge - 1) // huge * huge
-    whole = (address + size - begin) // huge * huge
-    assert whole >= huge
-    moved = advise_huge_pages([attn.qkv.weight])
+        expected = attn(x, cache=KVCache.empty(2, 12, 64, 8))  # (KVCache.empty advises no weight)
+        assert "hg" not in (_vm_flags(begin) or [])
+        assert torch.equal(attn(x, cache=attn.make_cache(2, 8)), expected)
+    assert attn.qkv.weight is weight and weight.data_ptr() == address and torch.equal(weight, value)
+    assert "hg" in (_vm_flags(begin) or []), "make_cache did not advise the weight's whole huge pages"
+    assert "hg" not in (_vm_flags(address) or []) and "hg" not in (_vm_flags(begin + whole) or [])
+    moved = advise_huge_pages(weight)  # make_cache's move asked again: on huge pages, the same bytes
     assert moved % huge == 0 and 0 <= moved <= whole
-    if sys.platform == "linux":
-        assert "hg" in (_vm_flags(begin) or []), "the weight's whole huge pages were not advised"
-        if moved:
-            assert _anon_huge_bytes(begin) >= moved
-    # Nothing to move: smaller than a huge page, or not on the CPU (meta: no memory).
-    assert advise_huge_pages([torch.ones(16, 16), torch.empty(1 << 22, device="meta")]) == 0
+    if _kernel_collapses():
+        assert moved == whole and _anon_huge_bytes(begin) >= moved
+    del mapping
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise and /proc/self/smaps are Linux's")
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # (quantized tensors, deprecated)
+def test_gpt_make_caches_moves_every_weight_and_leaves_what_it_cannot():
+    """The GPT's make_caches advises all its parameters (here the MLP's first weight, 4 MB); the
+    Python wrapper never raises: a bare tensor or an iterable, tensors too small, on meta, sparse or
+    quantized give 0."""
+    huge = _huge_page_bytes()
+    model = TinyGPT(GPTConfig(vocab_size=64, max_len=32, dim=512, n_layers=1, n_heads=8)).eval()
+    weight = model.blocks[0].mlp[0].weight
+    mapping, begin = _on_fresh_memory(weight)
+    if weight.data_ptr() + weight.nbytes - begin < huge:
+        pytest.skip(f"no whole huge page of {huge} bytes inside a 4 MB weight")
+    model.make_caches(1, 8)
+    assert "hg" in (_vm_flags(begin) or []), "make_caches did not advise the MLP's weight"
+    del mapping
+    assert advise_huge_pages(torch.ones(16, 16)) == 0 and advise_huge_pages([torch.ones(4)]) == 0
+    assert advise_huge_pages(torch.empty(1 << 22, device="meta")) == 0
+    assert advise_huge_pages(torch.zeros(1 << 20, 4).to_sparse()) == 0
+    assert advise_huge_pages(torch.quantize_per_tensor(torch.zeros(1 << 22), 0.1, 0, torch.qint8)) == 0
     assert torch.ops.causal_attention.advise_huge_pages(torch.empty(1 << 22, device="meta")) == 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork and /proc/self/pagemap are Linux's")
+def test_pages_shared_with_a_fork_are_not_copied():
+    """Pages a process shares copy-on-write with a fork stay shared: the collapse would copy them
+    into the forked process's own memory (a server's workers forked after loading the model)."""
+    huge = _huge_page_bytes()
+    mapping, values = _fresh_floats(3 * huge // 4)  # 4 KB past a boundary: 2 whole pages inside
+    values.fill_(1.5)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its pages are the parent's until one of them writes
+        try:
+            os.write(write, str(advise_huge_pages(values)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    moved_in_child = int(os.read(read, 64) or b"-1")
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert moved_in_child == 0
+    moved = advise_huge_pages(values)  # alone again
+    assert moved % huge == 0 and bool((values == 1.5).all())
+    if _kernel_collapses():
+        assert moved == 2 * huge
+    del mapping
 
 
 def test_small_fake_and_traced_caches():

@@ -5,14 +5,19 @@
 #include <c10/core/Allocator.h>
 #include <c10/util/safe_numerics.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <memory>
+#include <string>
+#include <vector>
 
 #if defined(__linux__)
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #endif
@@ -35,6 +40,39 @@ size_t huge_page_bytes() {
 }
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+#if defined(__linux__)
+// Whether the administrator turned transparent huge pages off (the mode "never"): then nothing is
+// moved onto them (MADV_COLLAPSE would, whatever the mode).
+bool thp_never() {
+  std::ifstream file("/sys/kernel/mm/transparent_hugepage/enabled");
+  const std::string modes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  return modes.find("[never]") != std::string::npos;
+}
+
+// Whether every small page of [address, address + bytes) is present and mapped by this process
+// alone (/proc/self/pagemap: bit 63 present, bit 56 exclusively mapped; Linux 4.2 and later).
+bool mapped_here_alone(uintptr_t address, size_t bytes) {
+  const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const struct File {
+    int fd;
+    ~File() {
+      if (fd >= 0) {
+        close(fd);
+      }
+    }
+  } pagemap{open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC)};
+  std::vector<uint64_t> entries(bytes / page);
+  const auto want = static_cast<ssize_t>(entries.size() * sizeof(uint64_t));
+  if (pagemap.fd < 0 ||
+      pread(pagemap.fd, entries.data(), static_cast<size_t>(want), static_cast<off_t>(address / page * sizeof(uint64_t))) != want) {
+    return false;
+  }
+  constexpr uint64_t kPresent = uint64_t{1} << 63, kExclusive = uint64_t{1} << 56;
+  return std::all_of(entries.begin(), entries.end(),
+                     [&](uint64_t entry) { return (entry & kPresent) != 0 && (entry & kExclusive) != 0; });
+}
+#endif
 
 void release(void* p) { std::free(p); }
 
@@ -126,30 +164,41 @@ at::Tensor cache_zeros(at::IntArrayRef size, at::ScalarType dtype, std::optional
 
 int64_t advise_huge_pages(const at::Tensor& tensor) {
   TORCH_CHECK_VALUE(tensor.defined(), "advise_huge_pages: tensor must be defined");
-  TORCH_CHECK_VALUE(tensor.device().is_cpu(), "advise_huge_pages takes a CPU tensor; got one on ", tensor.device());
+  TORCH_CHECK_VALUE(tensor.device().is_cpu(), "advise_huge_pages: tensor must be on the CPU; got one on ",
+                    tensor.device());
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
+  // A strided tensor's own storage only (a sparse or MKLDNN tensor has none to advise).
+  if (!tensor.has_storage() || tensor.layout() != at::kStrided) {
+    return 0;
+  }
   const at::Storage& storage = tensor.storage();
   const auto first = reinterpret_cast<uintptr_t>(storage.data());
   const size_t huge = huge_page_bytes();
+  if (first == 0 || storage.nbytes() < huge || thp_never()) {
+    return 0;
+  }
   // The whole huge pages inside the storage's bytes: its neighbours' memory is never advised.
   const uintptr_t begin = (first + huge - 1) & ~(uintptr_t{huge} - 1);
   const uintptr_t end = (first + storage.nbytes()) & ~(uintptr_t{huge} - 1);
-  if (first == 0 || end <= begin) {
-    return 0;
-  }
-  void* p = reinterpret_cast<void*>(begin);
-  const size_t bytes = end - begin;
-  if (madvise(p, bytes, MADV_HUGEPAGE) != 0) {
-    return 0;  // a hint: where the kernel refuses it (THP off for this process), the pages stay small
+  if (end <= begin || madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE) != 0) {
+    return 0;  // a hint: a kernel without transparent huge pages refuses it, and the pages stay small
   }
 #if defined(MADV_COLLAPSE)
   constexpr int kCollapse = MADV_COLLAPSE;
 #else
   constexpr int kCollapse = 25;  // Linux 6.1's MADV_COLLAPSE; older headers lack it, older kernels refuse it
 #endif
-  // The pages already there (the advice acts on pages made after it) copied onto huge pages now,
-  // the values unchanged; where the kernel cannot (an older kernel, no huge page free), as they were.
-  return madvise(p, bytes, kCollapse) == 0 ? static_cast<int64_t>(bytes) : 0;
+  // The pages already there (the advice acts on pages made after it) copied onto huge pages now, one
+  // huge page at a time, the values unchanged; where the kernel cannot (an older kernel, no huge
+  // page free), as they were. Not pages this process shares copy-on-write (a fork's): the collapse
+  // would copy them into memory of this process's own.
+  int64_t moved = 0;
+  for (uintptr_t page = begin; page < end; page += huge) {
+    if (mapped_here_alone(page, huge) && madvise(reinterpret_cast<void*>(page), huge, kCollapse) == 0) {
+      moved += static_cast<int64_t>(huge);
+    }
+  }
+  return moved;
 #else
   return 0;
 #endif

@@ -281,44 +281,47 @@ bool advised_huge(uintptr_t address) {
 }
 
 TEST(KVCache, MakeCacheMovesTheWeightsOntoHugePagesInPlace) {
-  // make_cache moves the whole huge pages inside the layer's weights onto huge pages, in place
-  // (kernels::advise_huge_pages): the same address, the same values, the advice on those pages
-  // (whether the kernel then moved them depends on its version and free memory, not on the code:
-  // what it reports moved is whole pages inside the storage).
-  const uintptr_t huge = huge_page_bytes();
-  CausalSelfAttention attn(768, 12);  // qkv weight 6.75 MB in float32: whole huge pages inside
-  const auto weight = attn->qkv->weight;
+  // make_cache advises the whole huge pages inside the layer's weights, and only those, and moves
+  // them in place (kernels::advise_huge_pages): the same address, the same values (whether the
+  // kernel then moved them depends on its version and free memory, not on the code: what it reports
+  // is whole pages inside the storage).
+  namespace kernels = causal_attention::kernels;
+  CausalSelfAttention attn(768, 12);  // qkv weight 6.75 MB in float32
+  auto weight = attn->qkv->weight;
   const auto before = weight.detach().clone();
-  const auto address = reinterpret_cast<uintptr_t>(weight.data_ptr());
-  attn->make_cache(1, 4);
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(weight.data_ptr()), address);
-  EXPECT_TRUE(torch::equal(weight, before));
-  const uintptr_t begin = (address + huge - 1) & ~(huge - 1);
-  const auto bytes = static_cast<uintptr_t>(weight.nbytes());
-  const int64_t moved = causal_attention::kernels::advise_huge_pages(weight);
-  EXPECT_GE(moved, 0);
-  EXPECT_EQ(static_cast<uintptr_t>(moved) % huge, 0u);
-  EXPECT_LE(static_cast<uintptr_t>(moved), (address + bytes - begin) / huge * huge);
 #if defined(__linux__)
-  EXPECT_TRUE(advised_huge(begin)) << "the weight's whole huge pages were not advised";
-  // Only the whole pages inside the storage are advised: on a fresh mapping of our own (no advice
-  // from earlier tests), the bytes before and after them are not.
-  const size_t span = 4 * huge;
+  const uintptr_t huge = huge_page_bytes();
+  const auto bytes = static_cast<uintptr_t>(weight.nbytes());
+  // The weight on a fresh mapping of the test's own (advice outlives the memory it was given on),
+  // 4 KB past a huge-page boundary.
+  const size_t span = bytes + 2 * huge;
   void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   ASSERT_NE(raw, MAP_FAILED);
-  const auto base = reinterpret_cast<uintptr_t>(raw);
-  const uintptr_t first = ((base + huge - 1) & ~(huge - 1)) + 4096;  // 4 KB past a huge-page boundary
-  const int64_t n = static_cast<int64_t>((2 * huge) / sizeof(float));  // 2 huge pages: one whole inside
-  auto blob = torch::from_blob(reinterpret_cast<void*>(first), {n}, torch::kFloat).fill_(1.5f);
-  EXPECT_EQ(static_cast<uintptr_t>(causal_attention::kernels::advise_huge_pages(blob)) % huge, 0u);
-  EXPECT_TRUE(torch::all(blob == 1.5f).item<bool>());
-  EXPECT_FALSE(advised_huge(first));
-  EXPECT_TRUE(advised_huge(first - 4096 + huge));
-  EXPECT_FALSE(advised_huge(first - 4096 + 2 * huge));
+  const uintptr_t address = ((reinterpret_cast<uintptr_t>(raw) + huge - 1) & ~(huge - 1)) + 4096;
+  {
+    torch::NoGradGuard no_grad;
+    weight.set_data(torch::from_blob(reinterpret_cast<void*>(address), weight.sizes(), torch::kFloat).copy_(before));
+  }
+  const uintptr_t begin = address - 4096 + huge;
+  const uintptr_t whole = (address + bytes - begin) / huge * huge;
+  ASSERT_GE(whole, huge);
+  EXPECT_FALSE(advised_huge(begin));
+  attn->make_cache(1, 4);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(attn->qkv->weight.data_ptr()), address);
+  EXPECT_TRUE(torch::equal(attn->qkv->weight, before));
+  EXPECT_TRUE(advised_huge(begin)) << "make_cache did not advise the weight's whole huge pages";
+  EXPECT_FALSE(advised_huge(address));
+  EXPECT_FALSE(advised_huge(begin + whole));
+  const int64_t moved = kernels::advise_huge_pages(attn->qkv->weight);
+  EXPECT_GE(moved, 0);
+  EXPECT_EQ(static_cast<uintptr_t>(moved) % huge, 0u);
+  EXPECT_LE(static_cast<uintptr_t>(moved), whole);
+  weight.set_data(before);  // off the mapping before it goes
   munmap(raw, span);
 #endif
-  EXPECT_EQ(causal_attention::kernels::advise_huge_pages(torch::ones({16, 16})), 0);  // no whole page
-  EXPECT_THROW(causal_attention::kernels::advise_huge_pages(torch::empty({4}, torch::kMeta)), c10::ValueError);
+  EXPECT_EQ(kernels::advise_huge_pages(torch::ones({16, 16})), 0);  // no whole page inside
+  EXPECT_EQ(kernels::advise_huge_pages(torch::zeros({1 << 20, 4}).to_sparse()), 0);  // no storage
+  EXPECT_THROW(kernels::advise_huge_pages(torch::empty({4}, torch::kMeta)), c10::ValueError);
 }
 
 TEST(KVCache, OverflowAndMisuseAreClearErrors) {

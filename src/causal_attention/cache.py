@@ -35,21 +35,36 @@ def cache_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return torch.ops.causal_attention.cache_zeros(list(shape), dtype, where)
 
 
-def advise_huge_pages(tensors: Iterable[Tensor]) -> int:
+def advise_huge_pages(tensors: Tensor | Iterable[Tensor]) -> int:
     """Moves the whole huge pages inside each CPU tensor's memory onto huge pages, in place, by the
     engine's advise_huge_pages (Linux 6.1 and later): the values, the addresses and the tensors stay
     as they are. make_cache calls it on the layer's weights, which a decode step streams with the
-    cache. Returns the bytes the kernel moved (0 where it could not, or where there is nothing to
-    move: tensors not on the CPU or smaller than a huge page, without the engine, while compiling or
-    exporting)."""
+    cache. A hint, it never raises: plain strided CPU tensors (and parameters) of a huge page or
+    more only; others (tensor subclasses such as DTensor, quantized or sparse tensors, other
+    devices) are left as they are, as is everything without the engine, while compiling or
+    exporting, and where the kernel refuses. Returns the bytes of the tensors' whole huge pages that
+    are on huge pages after the call (those already there included).
+
+    tensors: a tensor or an iterable of tensors."""
     from . import _ops
 
+    # (module._tracing's two questions, asked here too: module imports this file.)
     if not _ops.core_loaded() or torch.compiler.is_compiling() or torch.compiler.is_exporting():
         return 0
     moved = 0
-    for tensor in tensors:
-        if tensor.device.type == "cpu" and tensor.untyped_storage().nbytes() >= _HUGE_PAGE:
+    for tensor in (tensors,) if isinstance(tensors, Tensor) else tensors:
+        if (
+            type(tensor) not in (Tensor, torch.nn.Parameter)
+            or tensor.device.type != "cpu"
+            or tensor.layout != torch.strided
+            or tensor.is_quantized
+            or tensor.untyped_storage().nbytes() < _HUGE_PAGE
+        ):
+            continue
+        try:
             moved += int(torch.ops.causal_attention.advise_huge_pages(tensor))
+        except (RuntimeError, NotImplementedError, TypeError):  # a dispatch mode that has no rule for it
+            continue
     return moved
 
 

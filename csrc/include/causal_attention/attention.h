@@ -150,13 +150,17 @@ at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight, co
 at::Tensor cache_zeros(at::IntArrayRef size, at::ScalarType dtype, std::optional<at::Device> device = std::nullopt);
 
 // Moves the whole transparent huge pages inside a CPU tensor's storage onto huge pages, in place
-// (Linux: madvise MADV_HUGEPAGE, then MADV_COLLAPSE, Linux 6.1 and later): the values, the address
-// and the tensor stay as they are; the memory around the storage is not advised. Returns the bytes
-// the kernel moved (0 where it could not: an older kernel, THP disabled, no huge page free, less
-// than a huge page inside the storage; also 0 elsewhere than Linux). make_cache calls it on the
-// layer's weights: a decode step streams them with the cache, and on 4 KB pages every 4 KB of them
-// costs a TLB miss (the layer's float32 step, B=8, ctx 2048, dim 768: 0.97-0.98 of its time with
-// the weights on huge pages, 3 processes).
+// (Linux: madvise MADV_HUGEPAGE, then MADV_COLLAPSE a huge page at a time, Linux 6.1 and later):
+// the values, the address and the tensor stay as they are; the memory around the storage is not
+// advised. Pages this process shares copy-on-write with another (after a fork) are not moved (the
+// collapse would copy them into memory of its own), nor anything where the administrator set THP to
+// "never". Returns the bytes of those whole huge pages that are on huge pages after the call (those
+// already there included; 0 where the kernel could not: an older kernel, no huge page free; where
+// there is less than a huge page inside the storage, or no storage: a sparse or MKLDNN tensor; and
+// elsewhere than Linux). A tensor not on the CPU is an error (ValueError). make_cache calls it on
+// the layer's weights: a decode step streams them with the cache, and on 4 KB pages every 4 KB of
+// them costs a TLB miss (the layer's float32 step, B=8, ctx 2048, dim 768: 0.94-0.99 of its time
+// with the weights moved, 3 processes).
 int64_t advise_huge_pages(const at::Tensor& tensor);
 
 // The instruction set the CPU kernel's element-wise routines were chosen for at run time.
