@@ -366,6 +366,59 @@ def test_the_modules_decode_step_is_the_fused_op_and_a_prefill_is_not():
     assert cache.lengths.tolist() == [9, 9]
 
 
+class _Doubled(torch.nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 2 * weight
+
+
+@pytest.mark.parametrize("case", ["plain", "parametrized", "plain_tensor_weight", "new_parameter", "new_module",
+                                  "subclass_property"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_decode_step_uses_the_weights_attribute_access_gives(case, masked):
+    """The decode step reads the projections' weights from their parameter dicts where that is what
+    attribute access gives (plain nn.Linear); a parametrization, a weight set as a plain tensor, a
+    new parameter or submodule, and a subclass's property are honoured: the step equals the full
+    forward, which calls the projections as modules."""
+    torch.manual_seed(0)
+    cls = CausalSelfAttention
+    if case == "subclass_property":
+        other = torch.nn.Linear(32, 96, dtype=torch.float64)
+
+        class WithProperty(CausalSelfAttention):
+            @property
+            def qkv(self) -> torch.nn.Linear:  # type: ignore[override]
+                return other
+
+            @qkv.setter
+            def qkv(self, value: torch.nn.Linear) -> None:
+                pass
+
+        cls = WithProperty
+    attn = cls(32, 4, dtype=torch.float64)
+    if case == "parametrized":
+        torch.nn.utils.parametrize.register_parametrization(attn.qkv, "weight", _Doubled())
+    elif case == "plain_tensor_weight":
+        weight = attn.proj.weight.detach() * 0.5
+        del attn.proj.weight
+        attn.proj.weight = weight
+    elif case == "new_parameter":
+        attn.qkv.weight = torch.nn.Parameter(torch.randn(96, 32, dtype=torch.float64))
+    elif case == "new_module":
+        attn.proj = torch.nn.Linear(32, 32, dtype=torch.float64)
+    expected = (attn.qkv.weight, attn.qkv.bias, attn.proj.weight, attn.proj.bias)
+    assert all(torch.equal(a, b) for a, b in zip(attn._weights(), expected))
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    mask = torch.ones(2, 9, dtype=torch.bool) if masked else None
+    with torch.no_grad():
+        full = attn(x, mask)
+        cache = attn.make_cache(2, 12)
+        attn(x[:, :8], None if mask is None else mask[:, :8], cache=cache)
+        with _OpLog() as step:
+            y = attn(x[:, 8:], None if mask is None else mask[:, 8:], cache=cache)
+    assert step.names.count("causal_attention.decode_layer.default") == 1
+    assert rel_err(y, full[:, 8:]) <= 1e-12
+
+
 def test_a_decode_step_without_a_mask_dispatches_only_the_fused_op():
     """forward's lean decode step (no mask, few rows): the one decode_layer op and nothing else
     dispatched, and none of the general path's Python checks run (the op makes them)."""

@@ -86,21 +86,50 @@ def few_rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Te
     path)."""
     if not _few_rows_step(x):
         return None
+    return _streamed_product(x, weight, bias)
+
+
+def _streamed_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """few_rows_matmul's product, once its step is checked: the engine's few_rows_linear where it
+    streams these weights, W x^T by BLAS otherwise."""
     if _engine_streams(x, weight, bias):
-        return torch.ops.causal_attention.few_rows_linear(x, weight, bias)
+        return torch.ops.causal_attention.few_rows_linear.default(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])  # (rows, in)
     y = torch.mm(weight, x2.t()) if bias is None else torch.addmm(bias[:, None], weight, x2.t())  # (out, rows)
     return y.t().reshape(*x.shape[:-1], weight.shape[0])
 
 
 def few_rows_linear(layer: nn.Linear, x: Tensor) -> Tensor:
-    """layer(x), by few_rows_matmul when it applies."""
-    y = few_rows_matmul(x, layer.weight, layer.bias)
-    return layer(x) if y is None else y
+    """layer(x), by few_rows_matmul when it applies (a plain nn.Linear's weight and bias read as
+    _linear_parameters does)."""
+    if not _few_rows_step(x):
+        return layer(x)
+    parameters = _linear_parameters(layer)
+    weight, bias = parameters if parameters is not None else (layer.weight, layer.bias)
+    return _streamed_product(x, weight, bias)
 
 
 def _tracing() -> bool:
     return torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
+def _linear_parameters(module: nn.Module | None) -> tuple[Tensor, Tensor | None] | None:
+    """(module.weight, module.bias) read from the module's parameter dict, which is what attribute
+    access returns for a plain nn.Linear whose weight and bias are registered parameters (a bias
+    registered as None included) and not instance attributes; None for anything else (a
+    parametrization, which makes the weight a property of a subclass; weight_norm's or FSDP's
+    plain-tensor weights; another module), which the caller reads by attribute.
+
+    A decode step's Python runs with the caches that the previous layer's streaming left cold:
+    there the six lookups through nn.Module.__getattr__ (qkv, proj and their weights and biases)
+    cost ~45 us, the dicts' ~10 us (Zen 4, each after a 64 MB read)."""
+    if type(module) is not nn.Linear:
+        return None
+    attributes = module.__dict__
+    parameters = attributes["_parameters"]
+    if "weight" not in parameters or "bias" not in parameters or "weight" in attributes or "bias" in attributes:
+        return None
+    return parameters["weight"], parameters["bias"]
 
 
 def _inference_cache_outside_inference_mode(cache: KVCache) -> bool:
@@ -287,10 +316,10 @@ class CausalSelfAttention(nn.Module):
             return None
         if _inference_cache_outside_inference_mode(cache):
             return None  # _check_cache refuses it
-        qkv, proj = self.qkv, self.proj
         try:
-            return torch.ops.causal_attention.decode_layer(x, qkv.weight, qkv.bias, proj.weight, proj.bias, cache.k,
-                                                           cache.v, cache.lengths, None, self.n_heads)
+            # The overload itself: the packet's __call__, a Python frame more, cost ~10 us cold.
+            return torch.ops.causal_attention.decode_layer.default(x, *self._weights(), cache.k, cache.v, cache.lengths,
+                                                                   None, self.n_heads)
         except (RuntimeError, ValueError, TypeError) as error:
             refused = error
         # Outside the except block: forward's error, where one applies, is raised on its own.
@@ -306,18 +335,34 @@ class CausalSelfAttention(nn.Module):
         path): one op call where the path op by op makes five engine ops and a copy, each paying its
         call with the caches cold. mask: bool (B, t) or None. Returns (B, t, dim).
         """
+        if not _few_rows_step(x):  # (first: it asks whether this is traced)
+            return None
         # (The four tensors by name: nn.Module.parameters() walks the module tree, which costs more
         # than the checks themselves when a step's Python runs with cold caches, as it does.)
-        weights = (self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias)
-        if not _few_rows_step(x):
-            return None
+        weights = self._weights()
         # The backend first: backend="cpp" without the engine raises here, before any work.
         if backends.select_backend(x, self.backend) != "cpp" or not _engine_streams(x, *weights):
             return None  # not the engine's, or a projection that would not stream on it
         # One op for the whole step (checks, cache write, lengths advanced): a step's Python and
         # op calls run with caches the previous layer's streaming left cold, ~50-90 us each.
-        return torch.ops.causal_attention.decode_layer(x, *weights, cache.k, cache.v, cache.lengths, mask,
-                                                       self.n_heads)
+        return torch.ops.causal_attention.decode_layer.default(x, *weights, cache.k, cache.v, cache.lengths, mask,
+                                                               self.n_heads)
+
+    def _weights(self) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+        """(qkv.weight, qkv.bias, proj.weight, proj.bias), as attribute access returns them: from the
+        parameter dicts where both projections are plain nn.Linear (_linear_parameters), by
+        attribute otherwise."""
+        modules = self.__dict__["_modules"]
+        qkv, proj = _linear_parameters(modules.get("qkv")), _linear_parameters(modules.get("proj"))
+        if (
+            qkv is not None
+            and proj is not None
+            and type(self) is CausalSelfAttention  # no class attribute of a subclass in the way
+            and "qkv" not in self.__dict__
+            and "proj" not in self.__dict__
+        ):
+            return qkv[0], qkv[1], proj[0], proj[1]
+        return self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias
 
     def _check_cache(self, cache: KVCache, x: Tensor, x_name: str) -> None:
         if not isinstance(cache, KVCache):
