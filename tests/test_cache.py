@@ -5,9 +5,11 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+import warnings
 
 import pytest
 import torch
+import torch.nn.utils.prune
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -371,18 +373,21 @@ class _Doubled(torch.nn.Module):
         return 2 * weight
 
 
-@pytest.mark.parametrize("case", ["plain", "parametrized", "plain_tensor_weight", "new_parameter", "new_module",
-                                  "subclass_property"])
-@pytest.mark.parametrize("masked", [False, True])
-def test_a_decode_step_uses_the_weights_attribute_access_gives(case, masked):
-    """The decode step reads the projections' weights from their parameter dicts where that is what
-    attribute access gives (plain nn.Linear); a parametrization, a weight set as a plain tensor, a
-    new parameter or submodule, and a subclass's property are honoured: the step equals the full
-    forward, which calls the projections as modules."""
-    torch.manual_seed(0)
+# Projections a decode step may stream (their call is their weight product) and projections it
+# must call (hooks, a forward of their own, a quantized layer).
+_STREAMED_CASES = ["plain", "parametrized", "plain_tensor_weight", "instance_dict_weight", "new_parameter",
+                   "new_module", "subclass_property", "linear_subclass_property"]
+_CALLED_CASES = ["forward_hook", "forward_pre_hook", "pruned", "instance_forward", "global_hook",
+                 "dynamic_quantized"]
+
+
+def _layer_for_case(case: str) -> tuple[CausalSelfAttention, list]:
+    """A layer whose projections are set up as the case says, and handles to remove afterwards."""
+    handles: list = []
+    dtype = torch.float32 if case == "dynamic_quantized" else torch.float64
     cls = CausalSelfAttention
     if case == "subclass_property":
-        other = torch.nn.Linear(32, 96, dtype=torch.float64)
+        other = torch.nn.Linear(32, 96, dtype=dtype)
 
         class WithProperty(CausalSelfAttention):
             @property
@@ -394,29 +399,109 @@ def test_a_decode_step_uses_the_weights_attribute_access_gives(case, masked):
                 pass
 
         cls = WithProperty
-    attn = cls(32, 4, dtype=torch.float64)
-    if case == "parametrized":
-        torch.nn.utils.parametrize.register_parametrization(attn.qkv, "weight", _Doubled())
-    elif case == "plain_tensor_weight":
-        weight = attn.proj.weight.detach() * 0.5
-        del attn.proj.weight
-        attn.proj.weight = weight
-    elif case == "new_parameter":
-        attn.qkv.weight = torch.nn.Parameter(torch.randn(96, 32, dtype=torch.float64))
-    elif case == "new_module":
-        attn.proj = torch.nn.Linear(32, 32, dtype=torch.float64)
-    expected = (attn.qkv.weight, attn.qkv.bias, attn.proj.weight, attn.proj.bias)
-    assert all(torch.equal(a, b) for a, b in zip(attn._weights(), expected))
-    x = torch.randn(2, 9, 32, dtype=torch.float64)
-    mask = torch.ones(2, 9, dtype=torch.bool) if masked else None
+    attn = cls(32, 4, dtype=dtype)
     with torch.no_grad():
-        full = attn(x, mask)
-        cache = attn.make_cache(2, 12)
-        attn(x[:, :8], None if mask is None else mask[:, :8], cache=cache)
-        with _OpLog() as step:
-            y = attn(x[:, 8:], None if mask is None else mask[:, 8:], cache=cache)
-    assert step.names.count("causal_attention.decode_layer.default") == 1
-    assert rel_err(y, full[:, 8:]) <= 1e-12
+        if case == "parametrized":
+            torch.nn.utils.parametrize.register_parametrization(attn.qkv, "weight", _Doubled())
+        elif case == "plain_tensor_weight":
+            weight = attn.proj.weight.detach() * 0.5
+            del attn.proj.weight
+            attn.proj.weight = weight
+        elif case == "instance_dict_weight":  # shadows the registered parameter for attribute access
+            attn.qkv.__dict__["weight"] = attn.qkv.weight.detach() * 0.5
+        elif case == "new_parameter":
+            attn.qkv.weight = torch.nn.Parameter(torch.randn(96, 32, dtype=dtype))
+        elif case == "new_module":
+            attn.proj = torch.nn.Linear(32, 32, dtype=dtype)
+        elif case == "linear_subclass_property":  # a property over the registered parameter
+            class DoubledLinear(torch.nn.Linear):
+                pass
+
+            linear = DoubledLinear(32, 32, dtype=dtype)
+            DoubledLinear.weight = property(lambda self: 2 * self._parameters["weight"])  # type: ignore[assignment]
+            attn.proj = linear
+        elif case == "forward_hook":
+            handles.append(attn.proj.register_forward_hook(lambda module, args, out: 2 * out))
+        elif case == "forward_pre_hook":
+            handles.append(attn.qkv.register_forward_pre_hook(lambda module, args: (0.5 * args[0],)))
+        elif case == "pruned":  # the weight is recomputed from weight_orig in a pre-hook
+            torch.nn.utils.prune.l1_unstructured(attn.qkv, "weight", amount=0.3)
+            attn.qkv.weight_orig.mul_(1.5)  # e.g. an optimizer step: the plain `weight` attribute is stale
+        elif case == "instance_forward":  # as accelerate's hooks wrap a module's forward
+            proj = attn.proj
+            proj.forward = lambda x: 2 * torch.nn.Linear.forward(proj, x)
+        elif case == "global_hook":
+            handles.append(torch.nn.modules.module.register_module_forward_hook(
+                lambda module, args, out: 2 * out if isinstance(module, torch.nn.Linear) else None))
+        else:
+            assert case in ("plain", "dynamic_quantized", "subclass_property"), case
+    if case == "dynamic_quantized":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice
+            attn = torch.ao.quantization.quantize_dynamic(attn, {torch.nn.Linear}, dtype=torch.qint8)
+    return attn, handles
+
+
+@pytest.mark.parametrize("case", _STREAMED_CASES + _CALLED_CASES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_decode_step_computes_the_projections_as_calling_them_would(case, masked):
+    """A decode step streams a projection's weight only where calling the projection computes
+    just that product (reading a plain nn.Linear's weight and bias from its parameter dicts, what
+    attribute access gives there), honouring a parametrization, a weight set as a plain tensor or
+    in the instance dict, a new parameter or submodule, a subclass's property; it calls the
+    projections that hooks (their own or global), a forward of their own or quantization make
+    more than their weight product. Each step against the full forward, which calls them."""
+    torch.manual_seed(0)
+    attn, handles = _layer_for_case(case)
+    try:
+        dtype = torch.float32 if case == "dynamic_quantized" else torch.float64
+        x = torch.randn(2, 9, 32, dtype=dtype)
+        mask = torch.ones(2, 9, dtype=torch.bool) if masked else None
+        with torch.no_grad():
+            full = attn(x, mask)
+            if case == "dynamic_quantized":
+                with pytest.raises(TypeError, match="pass dtype= and device="):
+                    attn.make_cache(2, 12)
+            cache = attn.make_cache(2, 12, dtype=dtype, device="cpu")
+            attn(x[:, :8], None if mask is None else mask[:, :8], cache=cache)
+            twin = KVCache(cache.k.clone(), cache.v.clone(), cache.lengths.clone())
+            step_mask = None if mask is None else mask[:, 8:]
+            with _OpLog() as step:
+                y = attn(x[:, 8:], step_mask, cache=cache)
+            # The projections called as modules around the cached attention.
+            called = attn.proj(attn.attend(attn.qkv(x[:, 8:]), step_mask, cache=twin))
+        fused = step.names.count("causal_attention.decode_layer.default")
+        assert fused == (1 if case in _STREAMED_CASES else 0), step.names
+        if case == "dynamic_quantized":  # its activations' scales depend on the rows a call sees
+            assert torch.equal(y, called)
+        else:
+            assert rel_err(y, full[:, 8:]) <= 1e-12
+            assert rel_err(y, called) <= 1e-12
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@pytest.mark.parametrize("case", _STREAMED_CASES[:-2] + _CALLED_CASES)
+def test_few_rows_linear_is_the_layers_call(case):
+    """few_rows_linear (the GPT's decode MLP) gives what calling the layer gives, streaming its
+    weight only where the call is the weight product."""
+    from causal_attention.module import few_rows_linear
+
+    torch.manual_seed(0)
+    attn, handles = _layer_for_case(case)
+    try:
+        for layer in (attn.qkv, attn.proj):
+            x = torch.randn(4, 1, 32, dtype=torch.float32 if case == "dynamic_quantized" else torch.float64)
+            with torch.no_grad(), _OpLog() as ops:
+                y = few_rows_linear(layer, x)
+                expected = layer(x)
+            assert torch.equal(y, expected) or rel_err(y, expected) <= 1e-12, case
+            streamed = ops.names.count("causal_attention.few_rows_linear.default")
+            assert streamed <= 1
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def test_a_decode_step_without_a_mask_dispatches_only_the_fused_op():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as _torch_module
 
 from . import _ops, backends, reference
 from .backends import Backend
@@ -99,37 +100,67 @@ def _streamed_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return y.t().reshape(*x.shape[:-1], weight.shape[0])
 
 
-def few_rows_linear(layer: nn.Linear, x: Tensor) -> Tensor:
-    """layer(x), by few_rows_matmul when it applies (a plain nn.Linear's weight and bias read as
-    _linear_parameters does)."""
-    if not _few_rows_step(x):
+def few_rows_linear(layer: nn.Module, x: Tensor) -> Tensor:
+    """layer(x) (x: (..., in) -> (..., out)), by the weight-streaming product of few_rows_matmul
+    where x is a decode step's few rows and calling the layer would compute only its weight product
+    (_linear_weights); otherwise by calling it."""
+    if not _few_rows_step(x) or _global_forward_hooks():
         return layer(x)
-    parameters = _linear_parameters(layer)
-    weight, bias = parameters if parameters is not None else (layer.weight, layer.bias)
-    return _streamed_product(x, weight, bias)
+    weights = _linear_weights(layer)
+    if weights is None:
+        return layer(x)
+    return _streamed_product(x, *weights)
 
 
 def _tracing() -> bool:
     return torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
-def _linear_parameters(module: nn.Module | None) -> tuple[Tensor, Tensor | None] | None:
-    """(module.weight, module.bias) read from the module's parameter dict, which is what attribute
-    access returns for a plain nn.Linear whose weight and bias are registered parameters (a bias
-    registered as None included) and not instance attributes; None for anything else (a
-    parametrization, which makes the weight a property of a subclass; weight_norm's or FSDP's
-    plain-tensor weights; another module), which the caller reads by attribute.
+_LINEAR_FORWARD = nn.Linear.forward
 
-    A decode step's Python runs with the caches that the previous layer's streaming left cold:
-    there the six lookups through nn.Module.__getattr__ (qkv, proj and their weights and biases)
-    cost ~45 us, the dicts' ~10 us (Zen 4, each after a 64 MB read)."""
-    if type(module) is not nn.Linear:
+
+def _global_forward_hooks() -> bool:
+    """Whether forward hooks that every module call runs are registered (torch's
+    register_module_forward_hook / _pre_hook)."""
+    return bool(getattr(_torch_module, "_global_forward_hooks", None)
+                or getattr(_torch_module, "_global_forward_pre_hooks", None))
+
+
+def _linear_weights(module: object) -> tuple[Tensor, Tensor | None] | None:
+    """(weight, bias) of a layer whose call computes x @ weight^T + bias and nothing else, so that
+    a decode step may stream its weight instead of calling it: an nn.Linear (a parametrized one
+    included, whose weight is then computed here) with nn.Linear's forward, no forward of its own
+    set on the instance (accelerate's hooks set one) and no forward hooks or pre-hooks of its own
+    (prune and the hook-based weight_norm recompute the weight in one, tensor parallelism
+    redistributes in them; global hooks are the caller's to ask, _global_forward_hooks). None for
+    anything else (quantized and QAT layers, adapters wrapping a Linear, hooked layers): the caller
+    calls the module.
+
+    For a plain nn.Linear whose weight and bias are registered parameters (a bias registered as
+    None included) and not instance attributes, they are read from its parameter dict, which is
+    what attribute access returns there: a decode step's Python runs with the caches that the
+    previous layer's streaming left cold, where nn.Module.__getattr__'s lookups of a layer's qkv and
+    proj and their weights and biases cost ~45 us, the dicts' ~10 (Zen 4, each after a 64 MB
+    read)."""
+    cls = type(module)
+    if cls is not nn.Linear and not isinstance(module, nn.Linear):
         return None
     attributes = module.__dict__
-    parameters = attributes["_parameters"]
-    if "weight" not in parameters or "bias" not in parameters or "weight" in attributes or "bias" in attributes:
+    if (
+        cls.forward is not _LINEAR_FORWARD
+        or "forward" in attributes
+        or attributes["_forward_hooks"]
+        or attributes["_forward_pre_hooks"]
+    ):
         return None
-    return parameters["weight"], parameters["bias"]
+    if cls is nn.Linear:
+        parameters = attributes["_parameters"]
+        if "weight" in parameters and "bias" in parameters and "weight" not in attributes and "bias" not in attributes:
+            return parameters["weight"], parameters["bias"]
+    weight, bias = module.weight, module.bias
+    if not isinstance(weight, Tensor) or not (bias is None or isinstance(bias, Tensor)):
+        return None
+    return weight, bias
 
 
 def _inference_cache_outside_inference_mode(cache: KVCache) -> bool:
@@ -212,15 +243,16 @@ class CausalSelfAttention(nn.Module):
         """An empty KV cache for this layer: (batch_size, n_heads, max_len, head_dim) keys and values.
         On the CPU, the layer's weights are also moved onto huge pages in place where they span one
         (advise_huge_pages), as the cache's buffers are: a decode step streams both."""
-        advise_huge_pages((self.qkv.weight, self.proj.weight))
-        return KVCache.empty(
-            batch_size,
-            self.n_heads,
-            self.head_dim,
-            max_len,
-            dtype=dtype or self.qkv.weight.dtype,
-            device=device or self.qkv.weight.device,
-        )
+        weight = getattr(self.qkv, "weight", None)
+        advise_huge_pages((weight, getattr(self.proj, "weight", None)))
+        if dtype is None or device is None:
+            if not isinstance(weight, Tensor) or not weight.is_floating_point():
+                raise TypeError(
+                    "make_cache takes the cache's dtype and device from qkv.weight, which is not a floating-point "
+                    f"tensor here ({type(weight).__name__}: a quantized layer?); pass dtype= and device="
+                )
+            dtype, device = dtype or weight.dtype, device or weight.device
+        return KVCache.empty(batch_size, self.n_heads, self.head_dim, max_len, dtype=dtype, device=device)
 
     def forward(
         self,
@@ -288,9 +320,9 @@ class CausalSelfAttention(nn.Module):
     def _decode_step(self, x: Tensor, cache: KVCache) -> Tensor | None:
         """forward(x, cache=cache) without a mask, by the fused decode_layer op, asking in Python only
         whether x, the backend and the engine allow it and what the op cannot see (grad mode,
-        tracing, autocast, inference tensors); the op checks the weights and the cache. None
-        (forward's general path) where x, the backend or the engine do not allow it. x: (B, t, dim).
-        Returns (B, t, dim).
+        tracing, autocast, inference tensors, projections that must be called as modules: _weights);
+        the op checks the weights and the cache. None (forward's general path) where x, the backend,
+        the engine or the projections do not allow it. x: (B, t, dim). Returns (B, t, dim).
 
         A decode step's Python runs with the caches that the previous layer's streaming left cold:
         forward's general checks, then _decode_layer's, cost a float32 step of B=8, ctx 2048 about
@@ -316,10 +348,13 @@ class CausalSelfAttention(nn.Module):
             return None
         if _inference_cache_outside_inference_mode(cache):
             return None  # _check_cache refuses it
+        weights = self._weights()
+        if weights is None:
+            return None  # a projection to be called as a module
         try:
             # The overload itself: the packet's __call__, a Python frame more, cost ~10 us cold.
-            return torch.ops.causal_attention.decode_layer.default(x, *self._weights(), cache.k, cache.v, cache.lengths,
-                                                                   None, self.n_heads)
+            return torch.ops.causal_attention.decode_layer.default(x, *weights, cache.k, cache.v, cache.lengths, None,
+                                                                   self.n_heads)
         except (RuntimeError, ValueError, TypeError) as error:
             refused = error
         # Outside the except block: forward's error, where one applies, is raised on its own.
@@ -337,32 +372,35 @@ class CausalSelfAttention(nn.Module):
         """
         if not _few_rows_step(x):  # (first: it asks whether this is traced)
             return None
-        # (The four tensors by name: nn.Module.parameters() walks the module tree, which costs more
-        # than the checks themselves when a step's Python runs with cold caches, as it does.)
-        weights = self._weights()
         # The backend first: backend="cpp" without the engine raises here, before any work.
-        if backends.select_backend(x, self.backend) != "cpp" or not _engine_streams(x, *weights):
-            return None  # not the engine's, or a projection that would not stream on it
+        if backends.select_backend(x, self.backend) != "cpp":
+            return None
+        weights = self._weights()
+        if weights is None or not _engine_streams(x, *weights):
+            return None  # a projection to be called as a module, or one that would not stream on the engine
         # One op for the whole step (checks, cache write, lengths advanced): a step's Python and
         # op calls run with caches the previous layer's streaming left cold, ~50-90 us each.
         return torch.ops.causal_attention.decode_layer.default(x, *weights, cache.k, cache.v, cache.lengths, mask,
                                                                self.n_heads)
 
-    def _weights(self) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
-        """(qkv.weight, qkv.bias, proj.weight, proj.bias), as attribute access returns them: from the
-        parameter dicts where both projections are plain nn.Linear (_linear_parameters), by
-        attribute otherwise."""
-        modules = self.__dict__["_modules"]
-        qkv, proj = _linear_parameters(modules.get("qkv")), _linear_parameters(modules.get("proj"))
-        if (
-            qkv is not None
-            and proj is not None
-            and type(self) is CausalSelfAttention  # no class attribute of a subclass in the way
-            and "qkv" not in self.__dict__
-            and "proj" not in self.__dict__
-        ):
-            return qkv[0], qkv[1], proj[0], proj[1]
-        return self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias
+    def _weights(self) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None] | None:
+        """(qkv.weight, qkv.bias, proj.weight, proj.bias) where a decode step may stream both
+        projections' weights instead of calling them (_linear_weights; no global forward hooks);
+        None where a projection must be called. By name, through the module dict where nothing of
+        a subclass or the instance stands in the way: nn.Module.parameters() walks the module tree
+        and nn.Module.__getattr__ looks in three dicts, which cost more than the checks themselves
+        when a step's Python runs with cold caches, as it does."""
+        if _global_forward_hooks():
+            return None
+        attributes = self.__dict__
+        if type(self) is CausalSelfAttention and "qkv" not in attributes and "proj" not in attributes:
+            modules = attributes["_modules"]
+            qkv, proj = _linear_weights(modules.get("qkv")), _linear_weights(modules.get("proj"))
+        else:
+            qkv, proj = _linear_weights(self.qkv), _linear_weights(self.proj)
+        if qkv is None or proj is None:
+            return None
+        return qkv[0], qkv[1], proj[0], proj[1]
 
     def _check_cache(self, cache: KVCache, x: Tensor, x_name: str) -> None:
         if not isinstance(cache, KVCache):
