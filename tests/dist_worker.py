@@ -358,6 +358,36 @@ def tp_layer(args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
+@scenario
+def tp_decode(args: argparse.Namespace) -> dict[str, float]:
+    """Generation under tensor parallel: the sharded layer's cached steps (a prefill, then steps of
+    one token without a mask, the module's lean path, and with one) equal the unsharded layer's
+    (float64), its cache holding the rank's heads; a tensor-parallel GPT generates the unsharded
+    GPT's tokens (greedy, KV cache). The projections' parallel hooks make the step call them as
+    modules rather than stream their sharded weights."""
+    out: dict[str, float] = {}
+    mesh = init_device_mesh("cpu", (world(),))
+    layer, sharded = layer_and_copy()
+    cad.parallelize_attention(sharded, mesh)
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(3, 8, 12, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        full = layer(x)
+        cache, local = layer.make_cache(3, 8), sharded.make_cache(3, 8)
+        out["cache_heads"] = float(local.k.shape[1] == 4 // world())
+        errors = [max_err(sharded(x[:, :5], cache=local), layer(x[:, :5], cache=cache))]
+        for t in (5, 6):
+            errors.append(max_err(sharded(x[:, t : t + 1], cache=local), full[:, t : t + 1]))  # no mask: the lean path
+        mask = torch.ones(3, 1, dtype=torch.bool)
+        errors.append(max_err(sharded(x[:, 7:8], mask, cache=local), full[:, 7:8]))
+    out["steps"] = max(errors)
+    model = gpt(torch.float64)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    expected = model.generate(prompts, 5)
+    out["generate_differs"] = float(tp_gpt_model(model).generate(prompts, 5) != expected)
+    return out
+
+
 def tp_gpt_model(model: GPT) -> GPT:
     mesh = init_device_mesh("cpu", (world(),))
     return cad.parallelize_gpt(copy.deepcopy(model), mesh)  # type: ignore[return-value]

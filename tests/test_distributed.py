@@ -52,8 +52,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if not _ops.core_loaded():
         pytest.fail(f"the compiled engine is not loaded: {_ops.load_error()}")
     tmp = tmp_path_factory.mktemp("dist")
-    return launch(tmp, "op_rules", "tp_layer", "tp_gpt", "ddp", "fsdp", "dcp", "fsdp_compile", "ddp_compile",
-                  "tp_compile")
+    return launch(tmp, "op_rules", "tp_layer", "tp_decode", "tp_gpt", "ddp", "fsdp", "dcp", "fsdp_compile",
+                  "ddp_compile", "tp_compile")
 
 
 def check_training(m: dict[str, float], *, grads: bool = True) -> None:
@@ -117,6 +117,16 @@ def test_tensor_parallel_layer_holds_its_heads_rows_and_refuses_indivisible_head
     assert m["local_rows"] == 0.0
     assert m["naive_colwise_out"] > 0.1  # ColwiseParallel's contiguous cut of [q | k | v] is wrong
     assert m["indivisible_refused"] == 1.0
+
+
+def test_tensor_parallel_generation_equals_unsharded(results):
+    """Cached steps of a tensor-parallel layer (the lean one without a mask, and with one) and a
+    tensor-parallel GPT's generate() against the unsharded ones. (The lean step had called the
+    fused op with the projections' DTensor weights and a plain x: an error.)"""
+    m = metrics(results, "tp_decode")
+    assert m["cache_heads"] == 1.0  # the rank's heads only
+    assert m["steps"] <= F64
+    assert m["generate_differs"] == 0.0
 
 
 def test_tensor_parallel_gpt_equals_unsharded(results):
