@@ -223,6 +223,21 @@ def fsdp(args: argparse.Namespace) -> dict[str, float]:
 
 
 @scenario
+def fsdp_generate(args: argparse.Namespace) -> dict[str, float]:
+    """An FSDP2-sharded GPT generates with its KV caches the unsharded GPT's tokens (greedy, each
+    rank the same prompts; the decode steps read the parameters FSDP2 gathers for each block)."""
+    model = gpt(torch.float64)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    expected = model.generate(prompts, 5)
+    sharded = fsdp_model(model)
+    first = sharded.generate(prompts, 5)
+    data = batch(4)
+    logits = max_err(sharded(data[0], data[1]), model(data[0], data[1]))  # forward after generate
+    return {"generate_differs": float(first != expected or sharded.generate(prompts, 5) != expected),
+            "logits_after": logits}
+
+
+@scenario
 def fsdp_compile(args: argparse.Namespace) -> dict[str, float]:
     """torch.compile of the FSDP2-sharded model (aot_eager: dynamo + AOTAutograd with the engine's
     fake kernels): forward and gradients against eager single-process, float64, with padding."""

@@ -52,8 +52,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if not _ops.core_loaded():
         pytest.fail(f"the compiled engine is not loaded: {_ops.load_error()}")
     tmp = tmp_path_factory.mktemp("dist")
-    return launch(tmp, "op_rules", "tp_layer", "tp_decode", "tp_gpt", "ddp", "fsdp", "dcp", "fsdp_compile",
-                  "ddp_compile", "tp_compile")
+    return launch(tmp, "op_rules", "tp_layer", "tp_decode", "tp_gpt", "ddp", "fsdp", "fsdp_generate", "dcp",
+                  "fsdp_compile", "ddp_compile", "tp_compile")
 
 
 def check_training(m: dict[str, float], *, grads: bool = True) -> None:
@@ -127,6 +127,15 @@ def test_tensor_parallel_generation_equals_unsharded(results):
     assert m["cache_heads"] == 1.0  # the rank's heads only
     assert m["steps"] <= F64
     assert m["generate_differs"] == 0.0
+
+
+def test_fsdp_gpt_generates_the_unsharded_tokens(results):
+    """fully_shard_gpt registers generate() with FSDP2, which gathers the root's parameters for it
+    (it had failed on the embedding's sharded weight: 'got mixed torch.Tensor and DTensor'); twice,
+    then a forward."""
+    m = metrics(results, "fsdp_generate")
+    assert m["generate_differs"] == 0.0
+    assert m["logits_after"] <= F64
 
 
 def test_tensor_parallel_gpt_equals_unsharded(results):

@@ -241,7 +241,8 @@ def parallelize_gpt(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
 def fully_shard_gpt(model: nn.Module, **fsdp_options: Any) -> nn.Module:
     """FSDP2 for a GPT, in place: ``fully_shard`` on every block and on the root (options passed on,
     e.g. ``mesh``). Blocks also get their packed forward (``forward_packed``, taken for padded
-    batches) registered, so that FSDP2 gathers their parameters for it too."""
+    batches) registered, and the root its ``generate``, so that FSDP2 gathers their parameters for
+    them too."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     from .gpt import GPT
@@ -252,6 +253,9 @@ def fully_shard_gpt(model: nn.Module, **fsdp_options: Any) -> nn.Module:
         fully_shard(block, **fsdp_options)
         register_fsdp_forward_method(block, "forward_packed")
     fully_shard(model, **fsdp_options)
+    # generate() reaches the root's parameters (embeddings, final LayerNorm, head) without calling
+    # forward, whose hook would gather them.
+    register_fsdp_forward_method(model, "generate")
     return model
 
 
