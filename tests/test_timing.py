@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 
 import pytest
 
@@ -37,3 +38,21 @@ def test_paired_ratio_cancels_drift_between_rounds():
     assert statistics.median(times["a"]) / statistics.median(times["b"]) == pytest.approx(0.3)
     with pytest.raises(ValueError, match="need the same rounds; got 2 and 1"):
         timing.paired_ratio({"a": [1.0, 2.0], "b": [1.0]}, "a", "b")
+
+
+def test_rounds_within_fits_the_budget_at_the_warm_up_pace():
+    calls: list[str] = []
+
+    def slow() -> None:  # ~20 ms a round
+        calls.append("slow")
+        time.sleep(0.02)
+
+    fns = {"slow": slow, "fast": lambda: calls.append("fast")}
+    # 0.2 s at ~20 ms a round: at most 10 rounds fit (fewer where sleep overshoots), more than the minimum 3
+    rounds = timing.rounds_within(fns, budget_s=0.2, minimum=3, maximum=50)
+    assert calls == ["slow", "fast"]  # one warm-up round: each function once
+    assert 4 <= rounds <= 10
+    assert timing.rounds_within(fns, budget_s=0.2, minimum=3, maximum=5) == 5  # clamped to the maximum
+    assert timing.rounds_within(fns, budget_s=0.001, minimum=3, maximum=50) == 3  # and to the minimum
+    with pytest.raises(ValueError, match="need 1 <= minimum <= maximum; got 5 and 4"):
+        timing.rounds_within(fns, budget_s=1.0, minimum=5, maximum=4)

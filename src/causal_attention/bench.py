@@ -61,7 +61,7 @@ from . import _ops
 from .cache import KVCache, cache_buffer
 from .module import CausalSelfAttention, few_rows_linear
 from .reference import attention_core
-from .timing import interleaved_medians, interleaved_times, medians, paired_ratio
+from .timing import interleaved_medians, interleaved_times, medians, paired_ratio, rounds_within
 
 # Materialising B*H*T*T scores (reference, nn.MultiheadAttention) past this length costs many GB.
 MATERIALISING_MAX_T = 2048
@@ -498,17 +498,32 @@ BF16_SPEEDUP_T = (1024, 2048, 4096)
 
 
 def side_by_side_repeats(repeats: int) -> int:
-    """Rounds for the two-function comparisons that targets read directly (bfloat16 against float32,
-    1 thread against all): at least 7, so that the median of the paired ratios is one of 7+ rounds
-    (at 3-5 rounds the same code gave 1.73-1.85x bfloat16 against float32 at T=2048 from run to run)."""
+    """The fewest rounds for the two-function comparisons that targets read directly (bfloat16 against
+    float32, 1 thread against all): at least 7, so that the median of the paired ratios is one of 7+
+    rounds (at 3-5 rounds the same code gave 1.73-1.85x bfloat16 against float32 at T=2048 from run to
+    run)."""
     return max(7, repeats)
+
+
+# Those comparisons run as many rounds as fit in this many seconds (a warm-up round sets the pace),
+# up to SIDE_BY_SIDE_MAX_ROUNDS: at T=1024, 25 rounds of bfloat16 against float32 (0.24 s a round)
+# spread their paired ratios over 1.68-2.14, so that a median of only 7 of them landed anywhere in
+# 1.70-1.96 from run to run; at T=4096 (several seconds a round) the minimum holds.
+SIDE_BY_SIDE_BUDGET_S = 8.0
+SIDE_BY_SIDE_MAX_ROUNDS = 25
+
+
+def _side_by_side(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
+    rounds = rounds_within(fns, budget_s=SIDE_BY_SIDE_BUDGET_S, minimum=side_by_side_repeats(repeats),
+                           maximum=max(SIDE_BY_SIDE_MAX_ROUNDS, side_by_side_repeats(repeats)))
+    return interleaved_times(fns, repeats=rounds, warmup=0)
 
 
 def bf16_speedup(B: int, T: int, H: int, hd: int, *, repeats: int, generator: torch.Generator) -> dict[str, float]:
     """Our kernel's fwd+bwd (padded) in float32 and in bfloat16 on the same inputs, interleaved with each
     other (the kernel rows time each dtype in its own group, minutes apart on a machine whose speed
     drifts): median milliseconds and the speed-up (float32 time / bfloat16 time, round by round:
-    paired_ratio)."""
+    paired_ratio), over at least `repeats` rounds and as many more as fit in SIDE_BY_SIDE_BUDGET_S."""
     mask = _padded_mask(B, T, generator)
     qkv = torch.randn(B, T, 3 * H * hd)
     g = torch.randn(B, T, H * hd)
@@ -517,17 +532,17 @@ def bf16_speedup(B: int, T: int, H: int, hd: int, *, repeats: int, generator: to
         x, dy = qkv.to(dtype), g.to(dtype)
         return lambda: _ops.attention(x.detach().requires_grad_(), mask, H).backward(dy)
 
-    times = interleaved_times({"float32": step(torch.float32), "bfloat16": step(torch.bfloat16)}, repeats=repeats,
-                              warmup=1)
+    times = _side_by_side({"float32": step(torch.float32), "bfloat16": step(torch.bfloat16)}, repeats)
     t = medians(times)
     return {"T": T, "float32_ms": t["float32"] * 1e3, "bfloat16_ms": t["bfloat16"] * 1e3,
-            "speedup": paired_ratio(times, "float32", "bfloat16")}
+            "speedup": paired_ratio(times, "float32", "bfloat16"), "rounds": len(times["float32"])}
 
 
 def thread_scaling(B: int, T: int, H: int, hd: int, threads: int, *, repeats: int,
                    generator: torch.Generator) -> dict[str, float]:
     """Our kernel's fwd+bwd (float32, padded) on 1 thread and on `threads`, interleaved: median
-    milliseconds and the speed-up (1-thread time / threads' time, round by round: paired_ratio)."""
+    milliseconds and the speed-up (1-thread time / threads' time, round by round: paired_ratio), over at
+    least `repeats` rounds and as many more as fit in SIDE_BY_SIDE_BUDGET_S."""
     mask = _padded_mask(B, T, generator)
     qkv = torch.randn(B, T, 3 * H * hd)
     g = torch.randn(B, T, H * hd)
@@ -540,12 +555,17 @@ def thread_scaling(B: int, T: int, H: int, hd: int, threads: int, *, repeats: in
         return run
 
     try:
-        times = interleaved_times({"1": on(1), str(threads): on(threads)}, repeats=repeats, warmup=1)
+        times = _side_by_side({"1": on(1), str(threads): on(threads)}, repeats)
     finally:
         torch.set_num_threads(threads)
     t = medians(times)
     return {"T": T, "threads": threads, "one_thread_ms": t["1"] * 1e3, "all_threads_ms": t[str(threads)] * 1e3,
-            "speedup": paired_ratio(times, "1", str(threads))}
+            "speedup": paired_ratio(times, "1", str(threads)), "rounds": len(times["1"])}
+
+
+def _rounds_note(side_by_side: dict[str, float]) -> str:
+    """'median of N paired rounds' for a side-by-side comparison that says how many it ran."""
+    return f"median of {int(side_by_side['rounds'])} paired rounds" if "rounds" in side_by_side else ""
 
 
 # The performance targets of the second round (B=4, H=12, hd=64, padding lengths U[T/2, T]):
@@ -570,11 +590,12 @@ def targets(report: Report) -> list[dict[str, object]]:
         add(f"bf16 forward, of same-run bf16 GEMM ceiling, T={T}", r and r.fwd_ceiling_fraction, 0.55, "fraction")
     no_dots = "" if report.bf16_dot_products is not False else \
         "this CPU has no bf16 dot products: bf16 products run at f32's rate (ceiling ~1x)"
-    side_by_side = {int(s["T"]): s["speedup"] for s in report.bf16_speedup}
+    side_by_side = {int(s["T"]): s for s in report.bf16_speedup}
     for T in sorted({r.T for r in report.rows} | set(side_by_side)):
         f32, bf16 = ours("float32", T, "padded"), ours("bfloat16", T, "padded")
         if T in side_by_side:  # timed side by side (interleaved)
-            add(f"bf16 fwd+bwd vs f32 fwd+bwd, T={T}", side_by_side[T], 1.8, "x", no_dots)
+            add(f"bf16 fwd+bwd vs f32 fwd+bwd, T={T}", side_by_side[T]["speedup"], 1.8, "x",
+                "; ".join(x for x in (_rounds_note(side_by_side[T]), no_dots) if x))
         elif f32 and bf16 and f32.fwd_bwd_ms and bf16.fwd_bwd_ms and T in BF16_SPEEDUP_T:
             add(f"bf16 fwd+bwd vs f32 fwd+bwd, T={T}", f32.fwd_bwd_ms / bf16.fwd_bwd_ms, 1.8, "x", no_dots)
     for T in (1024, 2048):
@@ -598,7 +619,8 @@ def targets(report: Report) -> list[dict[str, object]]:
         f"{float(layer['of_copy']) / float(read['of_copy']):.0%} of that" if layer and read else "")
     if report.thread_scaling:
         s = report.thread_scaling
-        add(f"1 -> {int(s['threads'])} threads, fwd+bwd T={int(s['T'])}", s["speedup"], 0.925 * s["threads"], "x")
+        add(f"1 -> {int(s['threads'])} threads, fwd+bwd T={int(s['T'])}", s["speedup"], 0.925 * s["threads"], "x",
+            _rounds_note(s))
     return out
 
 

@@ -37,6 +37,20 @@ def interleaved_times(
     return times
 
 
+def rounds_within(fns: Mapping[str, Callable[[], object]], *, budget_s: float, minimum: int, maximum: int) -> int:
+    """Calls each function once (a warm-up round, timed) and returns how many rounds of all of them
+    fit in budget_s at that pace, clamped to [minimum, maximum]: short calls get more rounds, so that
+    a median of paired ratios rests on more than a handful of them where that costs seconds."""
+    if not 1 <= minimum <= maximum:
+        raise ValueError(f"rounds_within: need 1 <= minimum <= maximum; got {minimum} and {maximum}")
+    start = time.perf_counter()
+    for fn in fns.values():
+        fn()
+    per_round = time.perf_counter() - start
+    fit = int(budget_s / per_round) if per_round > 0 else maximum
+    return max(minimum, min(maximum, fit))
+
+
 def interleaved_medians(
     fns: Mapping[str, Callable[[], object]], *, repeats: int = 7, warmup: int = 1,
     after_call: Callable[[], object] | None = None,
