@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -171,6 +172,24 @@ def test_bench_flex_rows(tmp_path: Path) -> None:
             got, want = _flex_impl(B, T, H, hd, m)(qkv), torch.ops.causal_attention.attention_forward(qkv, m, H)[0]
         real = slice(None) if m is None else m  # flex gives padding queries the real keys before them
         assert (got[real] - want[real]).abs().max() <= 1e-5
+
+
+def test_bench_rows_take_speedups_round_by_round() -> None:
+    from causal_attention.bench import _rows
+
+    # ours is twice as fast as the baseline in every round while the machine's speed drifts 10x
+    # between rounds, but for one round where only ours was disturbed; the ratio of the two medians
+    # (taken from different rounds) says 0.24x.
+    fwd = {"sdpa(bool mask)": [1.0, 10.0, 1.1, 9.0, 0.9], "ours": [0.5, 5.0, 0.55, 4.5, 5.0]}
+    fwd_bwd = {"sdpa(bool mask)": [3.0, 30.0, 2.0], "ours": [1.0, 10.0, 20.0]}
+    rows = {r.impl: r for r in _rows("kernel", torch.float32, 64, "padded", fwd, fwd_bwd, 1e9, 100.0,
+                                     "sdpa(bool mask)")}
+    assert rows["ours"].fwd_speedup == pytest.approx(2.0)
+    assert statistics.median(fwd["sdpa(bool mask)"]) / statistics.median(fwd["ours"]) == pytest.approx(1.1 / 4.5)
+    assert rows["ours"].fwd_ms == pytest.approx(statistics.median(fwd["ours"]) * 1e3)  # times stay medians
+    assert rows["ours"].fwd_bwd_speedup == pytest.approx(3.0)
+    assert rows["sdpa(bool mask)"].fwd_speedup == pytest.approx(1.0)
+    assert rows["ours"].fwd_gflops == pytest.approx(1e9 / statistics.median(fwd["ours"]) / 1e9)
 
 
 def test_bench_targets_from_rows() -> None:

@@ -76,7 +76,7 @@ class Row:
     impl: str
     fwd_ms: float
     fwd_bwd_ms: float | None
-    fwd_speedup: float = 1.0  # baseline time / this time
+    fwd_speedup: float = 1.0  # baseline time / this time: the median of the rounds' ratios (paired_ratio)
     fwd_bwd_speedup: float | None = None
     fwd_gflops: float = 0.0
     fwd_ceiling_fraction: float = 0.0
@@ -146,7 +146,8 @@ def _padded_mask(B: int, T: int, generator: torch.Generator) -> Tensor:
     return torch.arange(T)[None, :] < lengths  # (B, T), True = real
 
 
-def _timed(fns: dict[str, Callable[[Tensor], Tensor]], x: Tensor, repeats: int, backward: bool) -> dict[str, float]:
+def _timed(fns: dict[str, Callable[[Tensor], Tensor]], x: Tensor, repeats: int,
+           backward: bool) -> dict[str, list[float]]:
     g = None
 
     def fwd(fn: Callable[[Tensor], Tensor]) -> Callable[[], None]:
@@ -169,7 +170,7 @@ def _timed(fns: dict[str, Callable[[Tensor], Tensor]], x: Tensor, repeats: int, 
 
     make = fwd_bwd if backward else fwd
     # Two warm-up rounds: the first calls of a new shape pay for library set-up (oneDNN, MKL).
-    return interleaved_medians({name: make(fn) for name, fn in fns.items()}, repeats=repeats, warmup=2)
+    return interleaved_times({name: make(fn) for name, fn in fns.items()}, repeats=repeats, warmup=2)
 
 
 FLEX = "flex_attention(compiled)"
@@ -404,15 +405,20 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _rows(level: str, dtype: torch.dtype, T: int, mask_name: str, fwd: dict[str, float], fwd_bwd: dict[str, float] | None,
-          flops: float, mm_gflops: float, baseline: str) -> list[Row]:
+def _rows(level: str, dtype: torch.dtype, T: int, mask_name: str, fwd_times: dict[str, list[float]],
+          fwd_bwd_times: dict[str, list[float]] | None, flops: float, mm_gflops: float, baseline: str) -> list[Row]:
+    """A row per implementation: median times, and speed-ups against the baseline round by round
+    (paired_ratio: the machine's drift between rounds cancels, where a ratio of two medians taken
+    from different rounds kept it)."""
+    fwd = medians(fwd_times)
+    fwd_bwd = None if fwd_bwd_times is None else medians(fwd_bwd_times)
     rows = []
     for impl, t in fwd.items():
         tb = None if fwd_bwd is None else fwd_bwd.get(impl)  # None: forward only
         rows.append(Row(
             level=level, dtype=_name(dtype), T=T, mask=mask_name, impl=impl, fwd_ms=t * 1e3,
-            fwd_bwd_ms=None if tb is None else tb * 1e3, fwd_speedup=fwd[baseline] / t,
-            fwd_bwd_speedup=None if fwd_bwd is None or tb is None else fwd_bwd[baseline] / tb,
+            fwd_bwd_ms=None if tb is None else tb * 1e3, fwd_speedup=paired_ratio(fwd_times, baseline, impl),
+            fwd_bwd_speedup=None if fwd_bwd_times is None or tb is None else paired_ratio(fwd_bwd_times, baseline, impl),
             fwd_gflops=flops / t / 1e9, fwd_ceiling_fraction=flops / t / 1e9 / mm_gflops, baseline=baseline,
         ))
     return rows
