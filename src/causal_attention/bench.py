@@ -513,8 +513,9 @@ def side_by_side_repeats(repeats: int) -> int:
 
 # Those comparisons run as many rounds as fit in this many seconds (a warm-up round sets the pace),
 # up to SIDE_BY_SIDE_MAX_ROUNDS: at T=1024, 25 rounds of bfloat16 against float32 (0.24 s a round)
-# spread their paired ratios over 1.68-2.14, so that a median of only 7 of them landed anywhere in
-# 1.70-1.96 from run to run; at T=4096 (several seconds a round) the minimum holds.
+# spread their paired ratios over 1.68-2.14, of which a median of 7 is a loose reading; at T=4096
+# (several seconds a round) the minimum holds. (Between processes float32's page faults still move
+# that ratio, 1.71x to 2.01x over 25 rounds each: README, bfloat16.)
 SIDE_BY_SIDE_BUDGET_S = 8.0
 SIDE_BY_SIDE_MAX_ROUNDS = 25
 
