@@ -12,6 +12,7 @@
 #include <benchmark/benchmark.h>
 
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "attention/blas.h"
@@ -68,46 +69,62 @@ void BM_AtenSdpaForward(benchmark::State& state) {
   set_flops(state, state.range(0), 1.0);
 }
 
+// A forward tile's float32 operands from qkv's layout (kTileKeys rows of 3 * 768 floats): K^T and V packed
+// in panels for tile_ops' panel_gemm, as the forward packs them once per call.
+constexpr int64_t kTileRows = 128, kTileKeys = 256, kTileDim = 768, kTileLd = 3 * kTileDim;
+
+struct FloatTilePanels {
+  std::vector<float> k = std::vector<float>(kTileKeys * kHd), v = std::vector<float>(kTileKeys * kHd);
+  explicit FloatTilePanels(const float* q) {
+    const auto& ops = causal_attention::tile::tile_ops<float>();
+    ops.pack_panels(q + kTileDim, 1, kTileLd, kHd, kTileKeys, k.data());
+    ops.pack_panels(q + 2 * kTileDim, kTileLd, 1, kTileKeys, kHd, v.data());
+  }
+};
+
+// S = Q K^T (kTileRows x kTileKeys x hd), then P V with P = S, on the float32 micro-kernel.
+void float_tile_products(const float* q, const FloatTilePanels& panels, float* s, float* pv) {
+  namespace tile = causal_attention::tile;
+  const auto& ops = tile::tile_ops<float>();
+  ops.panel_gemm(kTileRows, kTileKeys, kHd, q, kTileLd, 1, panels.k.data(), tile::kPanel, kHd * tile::kPanel, false, s,
+                 kTileKeys);
+  ops.panel_gemm(kTileRows, kHd, kTileKeys, s, kTileKeys, 1, panels.v.data(), tile::kPanel, kTileKeys * tile::kPanel,
+                 false, pv, kHd);
+}
+
 // One forward tile's products from qkv's layout (rows 3 * 768 floats apart): S = Q K^T (128 x 256 x 64),
 // then P V (128 x 64 x 256). Argument 0: BLAS (blas.h, MKL where found), reading K and V in place, as the
 // kernel did before the micro-kernel; 1: tile_ops' panel_gemm over panels of K^T and V packed outside
 // the loop, as the forward packs them once per call (skipped where the CPU has no micro-kernel).
 void BM_TileProducts(benchmark::State& state) {
-  namespace tile = causal_attention::tile;
-  constexpr int64_t kRows = 128, kKeys = 256, kDim = 768, kLd = 3 * kDim;
-  const auto& ops = tile::tile_ops<float>();
   const bool micro = state.range(0) != 0;
-  if (micro && ops.panel_gemm == nullptr) {
+  if (micro && causal_attention::tile::tile_ops<float>().panel_gemm == nullptr) {
     state.SkipWithError("no micro-kernel on this CPU (AVX2 + FMA)");
     return;
   }
   const int threads = at::get_num_threads();
   at::set_num_threads(1);
   at::manual_seed(0);
-  const auto qkv = at::randn({kKeys, kLd});
+  const auto qkv = at::randn({kTileKeys, kTileLd});
   const float* q = qkv.const_data_ptr<float>();
-  const float* k = q + kDim;
-  const float* v = q + 2 * kDim;
-  std::vector<float> s(kRows * kKeys), pv(kRows * kHd), k_panels(kKeys * kHd), v_panels(kKeys * kHd);
-  if (micro) {
-    ops.pack_panels(k, 1, kLd, kHd, kKeys, k_panels.data());
-    ops.pack_panels(v, kLd, 1, kKeys, kHd, v_panels.data());
-  }
+  const float* k = q + kTileDim;
+  const float* v = q + 2 * kTileDim;
+  std::vector<float> s(kTileRows * kTileKeys), pv(kTileRows * kHd);
+  const std::optional<FloatTilePanels> panels = micro ? std::optional<FloatTilePanels>(q) : std::nullopt;
   for (auto _ : state) {
     if (micro) {
-      ops.panel_gemm(kRows, kKeys, kHd, q, kLd, 1, k_panels.data(), tile::kPanel, kHd * tile::kPanel, false, s.data(),
-                     kKeys);
-      ops.panel_gemm(kRows, kHd, kKeys, s.data(), kKeys, 1, v_panels.data(), tile::kPanel, kKeys * tile::kPanel, false,
-                     pv.data(), kHd);
+      float_tile_products(q, *panels, s.data(), pv.data());
     } else {
-      causal_attention::blas::gemm(false, true, kRows, kKeys, kHd, 1.0f, q, kLd, k, kLd, 0.0f, s.data(), kKeys);
-      causal_attention::blas::gemm(false, false, kRows, kHd, kKeys, 1.0f, s.data(), kKeys, v, kLd, 0.0f, pv.data(), kHd);
+      causal_attention::blas::gemm(false, true, kTileRows, kTileKeys, kHd, 1.0f, q, kTileLd, k, kTileLd, 0.0f, s.data(),
+                                   kTileKeys);
+      causal_attention::blas::gemm(false, false, kTileRows, kHd, kTileKeys, 1.0f, s.data(), kTileKeys, v, kTileLd, 0.0f,
+                                   pv.data(), kHd);
     }
     benchmark::DoNotOptimize(pv.data());
   }
   at::set_num_threads(threads);
   state.counters["GFLOP/s"] =
-      benchmark::Counter(4.0 * kRows * kKeys * kHd * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+      benchmark::Counter(4.0 * kTileRows * kTileKeys * kHd * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_TileProducts)->Arg(0)->Arg(1)->ArgName("micro_kernel")->UseRealTime();
 
@@ -120,7 +137,6 @@ BENCHMARK(BM_TileProducts)->Arg(0)->Arg(1)->ArgName("micro_kernel")->UseRealTime
 // faster a bfloat16 forward can be than a float32 one on the same CPU.
 void BM_ForwardTile(benchmark::State& state) {
   namespace tile = causal_attention::tile;
-  constexpr int64_t kRows = 128, kKeys = 256, kDim = 768, kLd = 3 * kDim;
   const bool bf16 = state.range(0) != 0;
   const bool softmax = state.range(1) != 0;
   const auto& fops = tile::tile_ops<float>();
@@ -132,53 +148,51 @@ void BM_ForwardTile(benchmark::State& state) {
   const int threads = at::get_num_threads();
   at::set_num_threads(1);
   at::manual_seed(0);
-  const auto qkv = at::randn({kKeys, kLd});
+  const auto qkv = at::randn({kTileKeys, kTileLd});
   const auto qkv16 = qkv.to(at::kBFloat16);
-  std::vector<float> s(kRows * kKeys), pv(kRows * kHd), m(kRows), l(kRows), alpha(kRows);
-  std::vector<float> k_panels(kKeys * kHd), v_panels(kKeys * kHd);
-  std::vector<c10::BFloat16> k_pairs(kKeys * kHd), v_pairs(kKeys * kHd), p_pairs(kRows * kKeys);
   const float* q = qkv.const_data_ptr<float>();
   const c10::BFloat16* q16 = qkv16.const_data_ptr<c10::BFloat16>();
+  std::vector<float> s(kTileRows * kTileKeys), pv(kTileRows * kHd), m(kTileRows), l(kTileRows), alpha(kTileRows);
+  std::vector<c10::BFloat16> k_pairs(kTileKeys * kHd), v_pairs(kTileKeys * kHd), p_pairs(kTileRows * kTileKeys);
+  const std::optional<FloatTilePanels> panels = bf16 ? std::nullopt : std::optional<FloatTilePanels>(q);
+  // The scores the softmax reads (and float32's P V reads as its P).
+  const auto products = [&] {
+    if (bf16) {
+      bops.pair_gemm(kTileRows, kTileKeys, kHd / 2, q16, kTileLd, 2, k_pairs.data(), kHd * tile::kPanel, false,
+                     s.data(), kTileKeys);
+      bops.pair_gemm(kTileRows, kHd, kTileKeys / 2, p_pairs.data(), kTileKeys, 2, v_pairs.data(),
+                     kTileKeys * tile::kPanel, false, pv.data(), kHd);
+    } else {
+      float_tile_products(q, *panels, s.data(), pv.data());
+    }
+  };
   if (bf16) {
-    bops.pair_panels(q16 + kDim, 1, kLd, kHd, kKeys, k_pairs.data());
-    bops.pair_panels(q16 + 2 * kDim, kLd, 1, kKeys, kHd, v_pairs.data());
-    bops.pair_gemm(kRows, kKeys, kHd / 2, q16, kLd, 2, k_pairs.data(), kHd * tile::kPanel, false, s.data(), kKeys);
-  } else {
-    fops.pack_panels(q + kDim, 1, kLd, kHd, kKeys, k_panels.data());
-    fops.pack_panels(q + 2 * kDim, kLd, 1, kKeys, kHd, v_panels.data());
-    fops.panel_gemm(kRows, kKeys, kHd, q, kLd, 1, k_panels.data(), tile::kPanel, kHd * tile::kPanel, false, s.data(),
-                    kKeys);
+    bops.pair_panels(q16 + kTileDim, 1, kTileLd, kHd, kTileKeys, k_pairs.data());
+    bops.pair_panels(q16 + 2 * kTileDim, kTileLd, 1, kTileKeys, kHd, v_pairs.data());
   }
+  products();
   const float scale = 0.125f;
   for (auto _ : state) {
     if (softmax) {  // the scores' values do not change the work (float32's in-place P is scored again)
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.0f);
       if (bf16) {
-        bops.softmax_tile_rounded(s.data(), kKeys, kRows, kKeys, scale, tile::kNoCausal, nullptr, m.data(), l.data(),
-                                  alpha.data(), p_pairs.data(), kKeys);
+        bops.softmax_tile_rounded(s.data(), kTileKeys, kTileRows, kTileKeys, scale, tile::kNoCausal, nullptr, m.data(),
+                                  l.data(), alpha.data(), p_pairs.data(), kTileKeys);
       } else {
-        fops.softmax_tile(s.data(), kKeys, kRows, kKeys, scale, tile::kNoCausal, nullptr, m.data(), l.data(),
-                          alpha.data(), nullptr);
+        fops.softmax_tile(s.data(), kTileKeys, kTileRows, kTileKeys, scale, tile::kNoCausal, nullptr, m.data(),
+                          l.data(), alpha.data(), nullptr);
       }
       benchmark::DoNotOptimize(l.data());
-    } else if (bf16) {
-      bops.pair_gemm(kRows, kKeys, kHd / 2, q16, kLd, 2, k_pairs.data(), kHd * tile::kPanel, false, s.data(), kKeys);
-      bops.pair_gemm(kRows, kHd, kKeys / 2, p_pairs.data(), kKeys, 2, v_pairs.data(), kKeys * tile::kPanel, false,
-                     pv.data(), kHd);
-      benchmark::DoNotOptimize(pv.data());
     } else {
-      fops.panel_gemm(kRows, kKeys, kHd, q, kLd, 1, k_panels.data(), tile::kPanel, kHd * tile::kPanel, false, s.data(),
-                      kKeys);
-      fops.panel_gemm(kRows, kHd, kKeys, s.data(), kKeys, 1, v_panels.data(), tile::kPanel, kKeys * tile::kPanel, false,
-                      pv.data(), kHd);
+      products();
       benchmark::DoNotOptimize(pv.data());
     }
   }
   at::set_num_threads(threads);
   if (!softmax) {
     state.counters["GFLOP/s"] =
-        benchmark::Counter(4.0 * kRows * kKeys * kHd * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+        benchmark::Counter(4.0 * kTileRows * kTileKeys * kHd * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   }
 }
 BENCHMARK(BM_ForwardTile)
