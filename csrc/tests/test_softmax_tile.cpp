@@ -88,7 +88,7 @@ void check_float_step(const tile::TileOps<float>& ops, const std::string& isa) {
           const bool allowed = j < n && (!c.masked || mask[j]);
           const double p = allowed ? std::exp(scale * static_cast<double>(scores[i][j].item<float>()) - row_max) : 0;
           sum += p;
-          // exp (exp_vec: 2 ulp on AVX-512, exp_u20 elsewhere) of an argument rounded once (|arg| <= ~15 here: 15
+          // exp (exp_vec: 2 ulp on AVX2 and AVX-512, std::exp in DEFAULT) of an argument rounded once (|arg| <= ~15 here: 15
           // ulp of 1).
           EXPECT_NEAR(s[i * c.cols + j], p, 4e-6 * p + 1e-30) << where << " step " << step << " (" << i << ", " << j
                                                                << ")";
@@ -234,17 +234,14 @@ void check_isa(F32 f32, BF16 bf16, F16 f16, const std::string& isa, bool pairs) 
   EXPECT_EQ(f32().softmax_tile_rounded, nullptr) << isa;
 }
 
-// The AVX512 build's exp (exp_vec, tile_ops_isa.cpp) over its whole range, through the float32 step: one
+// The exp (exp_vec, tile_ops_isa.cpp) of the AVX2 and AVX512 builds over its whole range, through the float32 step: one
 // row of scale 1 whose max is its first score, 0, so that P[j] = exp(x[j]) for the other scores x[j] (the
 // argument x[j] - 0 is exact). Within 2 ulp of the result (ulps of its own binade) of exp in float64 from 0
 // down to the float above ln(FLT_MIN), as its comment says: the reduction x - n ln2 is exact, so the error
 // does not grow with |x| (a reduction in base 2 through a rounded t = x log2(e) reached 3.3e-6 relatively at
 // x = -44, 28 ulp, and failed the float32 fuzz at scale 8); exactly 0 at and below the cut-off (no
-// denormal), exactly 1 at 0.
-TEST(SoftmaxTile, ExpOfTheAvx512BuildWithinItsBoundOverItsWholeRange) {
-  if (!has_avx512()) {
-    GTEST_SKIP() << "this CPU has no AVX-512";
-  }
+// denormal), exactly 1 at 0. Returns P.
+std::vector<float> check_exp(const tile::TileOps<float>& ops, const char* isa) {
   torch::manual_seed(3);
   constexpr float kCut = -87.3365478515625f;  // the float just below ln(FLT_MIN)
   std::vector<float> x = {0.0f, -0.0f, -1e-30f, -1e-8f, -5.9604645e-8f, std::nextafter(-0.5f, 0.0f), -0.5f,
@@ -260,11 +257,10 @@ TEST(SoftmaxTile, ExpOfTheAvx512BuildWithinItsBoundOverItsWholeRange) {
   std::vector<float> s = x;
   float m = -kInf, l = 0.f, alpha = 0.f;
   std::vector<float> buf(cols);
-  tile::AVX512::tile_ops_float().softmax_tile(s.data(), cols, 1, cols, 1.0f, tile::kNoCausal, nullptr, &m, &l, &alpha,
-                                            buf.data());
-  ASSERT_EQ(m, 0.0f);
-  EXPECT_EQ(s[0], 1.0f);
-  EXPECT_EQ(s[1], 1.0f);
+  ops.softmax_tile(s.data(), cols, 1, cols, 1.0f, tile::kNoCausal, nullptr, &m, &l, &alpha, buf.data());
+  EXPECT_EQ(m, 0.0f) << isa;
+  EXPECT_EQ(s[0], 1.0f) << isa;
+  EXPECT_EQ(s[1], 1.0f) << isa;
   double worst = 0;  // the largest error, in ulps of the result
   float worst_x = 0;
   int64_t wrong = 0;  // results off by more than 2 ulp, below FLT_MIN, or not 0 past the cut-off
@@ -287,9 +283,31 @@ TEST(SoftmaxTile, ExpOfTheAvx512BuildWithinItsBoundOverItsWholeRange) {
       worst_x = x[j];
     }
   }
-  EXPECT_EQ(wrong, 0) << "of " << cols << " arguments; the first: exp(" << first_wrong << "); the largest error "
-                      << worst << " ulp, at exp(" << worst_x << ")";
-  std::cout << "[ exp_vec ] largest error: " << worst << " ulp, at exp(" << worst_x << ")\n";
+  EXPECT_EQ(wrong, 0) << isa << ": of " << cols << " arguments; the first: exp(" << first_wrong
+                      << "); the largest error " << worst << " ulp, at exp(" << worst_x << ")";
+  std::cout << "[ exp_vec " << isa << " ] largest error: " << worst << " ulp, at exp(" << worst_x << ")\n";
+  return s;
+}
+
+TEST(SoftmaxTile, ExpOfTheAvx512BuildWithinItsBoundOverItsWholeRange) {
+  if (!has_avx512()) {
+    GTEST_SKIP() << "this CPU has no AVX-512";
+  }
+  check_exp(tile::AVX512::tile_ops_float(), "AVX512");
+}
+
+// The AVX2 build's exp is the AVX512 one with 2^n made in the exponent field: the same bound, and the same
+// bits where both run.
+TEST(SoftmaxTile, ExpOfTheAvx2BuildWithinItsBoundAndTheAvx512Bits) {
+  if (!has_avx2()) {
+    GTEST_SKIP() << "this CPU has no AVX2 + FMA";
+  }
+  const auto avx2 = check_exp(tile::AVX2::tile_ops_float(), "AVX2");
+  if (has_avx512()) {
+    const auto avx512 = check_exp(tile::AVX512::tile_ops_float(), "AVX512");
+    ASSERT_EQ(avx2.size(), avx512.size());
+    EXPECT_EQ(std::memcmp(avx2.data(), avx512.data(), avx2.size() * sizeof(float)), 0);
+  }
 }
 
 TEST(SoftmaxTile, MatchesFloat64AndRoundsAsPairsReadInTheDefaultBuild) {
