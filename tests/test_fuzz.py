@@ -640,6 +640,29 @@ def test_half_precision_backward_of_nearly_one_hot_rows() -> None:
         assert err <= tol, f"{what}: error {err:.3g} > tolerance {tol:.3g}"
 
 
+# make fuzz's float32 failures on an AVX2 CPU (seed 20240611): head_dim 1, T = 257, std 3-8. The float32
+# micro-kernel summed each output of P V over a key block in one chain, where the BLAS behind both
+# baselines sums a one-column product in many lanes; the forward's O drifted up to 4x further than
+# SDPA's, and dS = P (dP - dO . O) turned the drift into a bias of dK and dQ that grad qkv.weight sums
+# over T (3.6x its tolerance). Heads narrower than a panel now go to BLAS.
+_NARROW_HEAD_DRAWS = [
+    (MaskSpec(None), "sliced", 8.0, 721192),
+    (MaskSpec((("left", 3),), torch.bool, "strided"), "strided", 3.0, 577146255),
+    (MaskSpec((("holes", 0.9, False),), torch.int32, "strided"), "contiguous", 8.0, 39916799),
+    (MaskSpec((("holes", 0.9, False),), torch.int32, "contiguous"), "sliced", 8.0, 5089060),
+    (MaskSpec(None), "strided", 3.0, 577146255),
+]
+
+
+@pytest.mark.parametrize("draw", range(len(_NARROW_HEAD_DRAWS)))
+def test_float32_gradients_of_a_one_wide_head_over_a_long_row(draw: int) -> None:
+    mask, x_layout, scale, seed_ = _NARROW_HEAD_DRAWS[draw]
+    case = LayerCase(B=1, T=257, H=1, hd=1, dtype=torch.float32, backend="cpp", mask=mask, x_layout=x_layout,
+                     scale=scale, seed=seed_ ^ BASE_SEED)  # the same values whatever CA_TEST_SEED
+    ratios, problems = run_layer_case(case)
+    assert not problems, problems
+
+
 def test_the_comparison_catches_a_planted_defect(monkeypatch) -> None:
     """A kernel that drops one key per row fails the check at every dtype, float16 included."""
     monkeypatch.setitem(backends.RUN, "broken", _broken_core)

@@ -56,7 +56,11 @@ bool use_panel_gemm() {
   }
 }
 
-// The products of a call with head_dim hd.
+// The products of a call with head_dim hd. Below a panel's width (hd < kPanel) the float32 micro-kernel
+// leaves most of each vector empty in the products whose columns are head_dim (P V, dS K, dS^T Q, P^T dO)
+// and sums a key block in one chain per output, where BLAS sums a column in many lanes: at head_dim 1 its
+// forward O drifted up to 4x further from exact than SDPA's, and dS = P (dP - dO . O) carried the drift
+// into dK and dQ. Such heads go to BLAS.
 template <typename scalar_t>
 Products products_for(int64_t hd) {
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
@@ -64,7 +68,7 @@ Products products_for(int64_t hd) {
       return Products::kPairs;
     }
   }
-  return use_panel_gemm<scalar_t>() ? Products::kPanels : Products::kBlas;
+  return use_panel_gemm<scalar_t>() && hd >= tile::kPanel ? Products::kPanels : Products::kBlas;
 }
 
 // An operand packed for a micro-kernel: a k x n matrix in panels of tile::kPanel columns, float32
