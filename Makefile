@@ -1,6 +1,7 @@
 # make test : set up everything on a fresh machine, then run the C++ and Python tests.
 # make demo : set up, then run the main job (python -m causal_attention demo).
-# make fuzz : set up, then 10,000 property-based examples against the float64 reference (tests/fuzz_main.py).
+# make fuzz : set up, then 10,000 property-based examples against the float64 reference on each
+#             instruction-set path this CPU runs (tests/fuzz_main.py).
 SHELL := /bin/bash
 PY    := .venv/bin/python
 PIP   := $(PY) -m pip

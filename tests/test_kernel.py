@@ -272,35 +272,43 @@ def test_each_instruction_set_is_exact(capability):
 
 
 # The suites that compare the kernels with the reference and nn.MultiheadAttention in every dtype,
-# with padding, dropout and adversarial half-precision magnitudes.
-AVX2_SUITES = ("test_engine.py", "test_parity.py", "test_hardening.py", "test_dropout.py", "test_properties.py")
+# with padding, dropout, adversarial half-precision magnitudes and non-finite inputs, and the ci
+# profile of the float64-reference fuzz (test_fuzz.py).
+PATH_SUITES = ("test_engine.py", "test_parity.py", "test_hardening.py", "test_dropout.py", "test_properties.py",
+               "test_nonfinite.py", "test_fuzz.py")
+
+# The instruction sets below each default, in the order ATen ranks them.
+_LOWER = {"AVX512": ["avx2", "default"], "AVX2": ["default"], "DEFAULT": []}
 
 
-def test_kernel_suites_on_the_avx2_micro_kernel_of_an_avx512_cpu(tmp_path):
-    """On a CPU whose default is AVX-512 the kernel suites run once more under ATEN_CPU_CAPABILITY=avx2
-    (about 80 s), so that AVX2's build of the routines is tested end to end there too, and bfloat16 on the
-    float32 micro-kernel's widened operands (with AVX512-BF16 the default runs it on the pair micro-kernel).
-    On an AVX2 CPU the whole suite already runs the AVX2 paths.
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_kernel_suites_on_each_lower_instruction_set(capability, tmp_path):
+    """The kernel suites run once more under ATEN_CPU_CAPABILITY for each instruction set below this
+    CPU's default (on AVX-512: AVX2's float32 micro-kernel, bfloat16 on widened operands instead of the
+    pair kernel, and the DEFAULT build's BLAS products and scalar routines), so that a change is tested on
+    every path the CPU can run, not only on the one it was written on. The default path is the whole
+    suite's own run.
 
     The sub-run has its own inductor cache: inductor's cache does not tell the two capabilities apart,
     and an AVX-512 run's compiled graph loaded under avx2 gave wrong results and a corrupted heap (seen
     with torch 2.13 on the compiled sdpa backend of test_hardening)."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability != "AVX512":
-        pytest.skip(f"the default capability here is {capability}: the whole suite already ran on it")
+    default = torch.backends.cpu.get_cpu_capability()
+    if capability not in _LOWER.get(default, []):
+        pytest.skip(f"{capability.upper()} is not below this CPU's default ({default}): the whole suite ran it")
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     probe = subprocess.run([sys.executable, "-c", "import torch, causal_attention; "
                             "print(torch.ops.causal_attention.cpu_capability())"],
                            env=env, capture_output=True, text=True, check=True)
-    assert probe.stdout.split()[-1] == "AVX2", probe.stdout
+    assert probe.stdout.split()[-1] == capability.upper(), probe.stdout
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-           *(os.path.join(here, name) for name in AVX2_SUITES)]
+           *(os.path.join(here, name) for name in PATH_SUITES)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     except subprocess.TimeoutExpired as exc:
         partial = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        raise AssertionError(f"the AVX2 run of {AVX2_SUITES} took over 1200 s; its output so far:\n{partial[-6000:]}")
+        raise AssertionError(f"the {capability} run of {PATH_SUITES} took over 1200 s; its output so far:\n"
+                             f"{partial[-6000:]}")
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 
