@@ -63,9 +63,36 @@ def attention_core(
         assert keep is not None
         weights = weights * keep / (1 - dropout_p)  # (B, H, T, T), in qkv's dtype
 
-    y = weights @ v  # (B, H, T, hd)
+    y = attend(weights, allowed, v)  # (B, H, T, hd)
     y = y.transpose(1, 2).reshape(B, T, dim)  # (B, T, dim)
     return y, (weights if return_weights else None)
+
+
+def attend(weights: Tensor, allowed: Tensor, v: Tensor) -> Tensor:
+    """``weights @ v`` summed over the allowed keys only: a masked key (later, or padding) adds exactly
+    nothing, even when it holds NaN or inf, where a matmul's 0 * NaN would carry a later position's NaN
+    back to every earlier row.
+
+    Args:
+        weights: (B, H, T, T), zero where not allowed.
+        allowed: (T, T) or (B, 1, T, T) bool, broadcast against weights.
+        v: (B, H, T, hd).
+
+    Returns:
+        (B, H, T, hd): the finite values' weighted sum; where an allowed key holds a non-finite value, the
+        sum IEEE arithmetic gives it: NaN for a NaN, for inf times a weight of 0 and for +inf with -inf, else
+        the infinity.
+    """
+    finite = v.isfinite()
+    y = weights @ v.where(finite, 0)  # (B, H, T, hd)
+    weighted = (allowed & (weights != 0)).to(v.dtype)  # (B, H, T, T)
+    unweighted = (allowed & (weights == 0)).to(v.dtype)  # (B, H, T, T)
+    hd = v.shape[-1]
+    kinds = torch.cat([v.isnan(), v == math.inf, v == -math.inf], dim=-1).to(v.dtype)  # (B, H, T, 3 hd)
+    nan, pos, neg = (weighted @ kinds).split(hd, dim=-1)  # (B, H, T, hd) each: counts of such keys
+    zero_times_inf = unweighted @ (~finite).to(v.dtype)  # (B, H, T, hd)
+    y = torch.where(pos > 0, math.inf, torch.where(neg > 0, -math.inf, y))
+    return torch.where((nan > 0) | (zero_times_inf > 0) | ((pos > 0) & (neg > 0)), math.nan, y)
 
 
 def causal_self_attention(
