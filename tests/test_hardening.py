@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.func import functional_call, grad, jacrev, vjp, vmap
+from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 from causal_attention import CausalSelfAttention, _ops, backends, reference
 from conftest import rel_err
@@ -329,6 +329,48 @@ def test_double_backward_matches_the_reference():
     (g_ref,) = torch.autograd.grad(spec(params, x_ref).pow(2).sum(), x_ref, create_graph=True)
     (h_ref,) = torch.autograd.grad(g_ref.pow(2).sum(), x_ref)
     assert rel_err(h, h_ref) <= 1e-10
+
+
+def test_forward_mode_jvp_and_jacfwd_match_the_reference():
+    """Forward-mode AD differentiates the reference (as the double backward does), with and without a mask."""
+    _, params, ours, spec = _layer_and_reference()
+    x = torch.randn(2, 6, 24, dtype=torch.float64)
+    mask = torch.tensor([[1] * 6, [0, 1, 1, 1, 0, 0]]).bool()  # a row with no key, and padding
+    tangent = torch.randn_like(x)
+    out, out_t = jvp(lambda x: ours(params, x, mask), (x,), (tangent,))
+    ref, ref_t = jvp(lambda x: spec(params, x, mask), (x,), (tangent,))
+    assert rel_err(out, ref) <= 1e-10 and rel_err(out_t, ref_t) <= 1e-10
+    x1, mask1 = x[1:], mask[1:]
+    J = jacfwd(lambda x: ours(params, x, mask1))(x1)  # (1, 6, 24, 1, 6, 24)
+    assert rel_err(J, jacfwd(lambda x: spec(params, x, mask1))(x1)) <= 1e-10
+    assert rel_err(J, jacrev(lambda x: ours(params, x, mask1))(x1)) <= 1e-10
+    for t in range(5):
+        assert torch.count_nonzero(J[0, t, :, 0, t + 1 :]) == 0  # no output depends on a later input
+    # The parameters' tangents too.
+    p_t = {k: torch.randn_like(v) for k, v in params.items()}
+    _, ours_pt = jvp(lambda p: ours(p, x, mask), (params,), (p_t,))
+    _, spec_pt = jvp(lambda p: spec(p, x, mask), (params,), (p_t,))
+    assert rel_err(ours_pt, spec_pt) <= 1e-10
+
+
+def test_hessian_matches_the_reference():
+    """hessian = jacfwd(jacrev): forward mode over the fused backward."""
+    _, params, ours, spec = _layer_and_reference()
+    x = torch.randn(1, 4, 24, dtype=torch.float64)
+    loss = lambda f: lambda x: f(params, x).pow(2).sum()  # noqa: E731
+    H = hessian(loss(ours))(x)  # (1, 4, 24, 1, 4, 24)
+    assert rel_err(H, hessian(loss(spec))(x)) <= 1e-10
+
+
+def test_forward_mode_with_dropout_uses_the_forward_decisions():
+    torch.manual_seed(5)
+    qkv = torch.randn(2, 9, 3 * 16, dtype=torch.float64)
+    seed = torch.tensor(1234)
+    tangent = torch.randn_like(qkv)
+    _, out_t = jvp(lambda q: _ops.attention(q, None, 2, 0.3, seed), (qkv,), (tangent,))
+    keep = torch.ops.causal_attention.dropout_keep_mask(seed, 2, 2, 9, 0.3)
+    _, ref_t = jvp(lambda q: reference.attention_core(q, None, 2, dropout_p=0.3, keep=keep)[0], (qkv,), (tangent,))
+    assert rel_err(out_t, ref_t) <= 1e-10
 
 
 def test_raw_kernel_refuses_to_be_differentiated():

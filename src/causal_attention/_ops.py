@@ -7,7 +7,7 @@ error: the module falls back to the ``sdpa`` backend and warns once (see ``backe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -40,7 +40,9 @@ class _AttentionFunction(torch.autograd.Function):
     """attention_forward's autograd: the fused backward (attention_backward) from the saved lse.
 
     A torch.autograd.Function with setup_context and a generated vmap rule, so that torch.func
-    transforms (grad, vjp, jacrev, vmap) compose with it (an op's own Autograd kernel would not).
+    transforms (grad, vjp, jacrev, vmap, and forward mode: jvp, jacfwd, hessian) compose with it (an op's
+    own Autograd kernel would not). Forward mode differentiates the reference, which materialises the
+    (B, H, T, T) weights, as the double backward does.
     """
 
     generate_vmap_rule = True  # forward and backward call ops with vmap rules (_register_vmap)
@@ -56,6 +58,7 @@ class _AttentionFunction(torch.autograd.Function):
         qkv, mask, n_heads, dropout_p, seed = inputs
         out, lse = output
         ctx.save_for_backward(qkv, mask, out, lse, seed)
+        ctx.save_for_forward(qkv, mask, seed)
         ctx.n_heads = n_heads
         ctx.dropout_p = dropout_p
         ctx.mark_non_differentiable(lse)
@@ -65,6 +68,14 @@ class _AttentionFunction(torch.autograd.Function):
         qkv, mask, out, lse, seed = ctx.saved_tensors
         grad_qkv = _AttentionBackwardFunction.apply(grad_out, qkv, mask, out, lse, ctx.n_heads, ctx.dropout_p, seed)
         return grad_qkv, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, qkv_t: Tensor | None, *_: Any) -> tuple[Tensor | None, None]:  # type: ignore[override]
+        qkv, mask, seed = ctx.saved_tensors
+        if qkv_t is None:
+            return None, None
+        core = _reference_core(qkv, mask, ctx.n_heads, ctx.dropout_p, seed)
+        return torch.func.jvp(core, (qkv,), (qkv_t,))[1], None
 
 
 class _AttentionBackwardFunction(torch.autograd.Function):
@@ -88,26 +99,49 @@ class _AttentionBackwardFunction(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
         grad_out, qkv, mask, _out, _lse, n_heads, dropout_p, seed = inputs
         ctx.save_for_backward(grad_out, qkv, mask, seed)
+        ctx.save_for_forward(grad_out, qkv, mask, seed)
         ctx.n_heads = n_heads
         ctx.dropout_p = dropout_p
 
     @staticmethod
     def backward(ctx: Any, grad_grad_qkv: Tensor) -> tuple[Tensor, Tensor, None, None, None, None, None, None]:  # type: ignore[override]
         grad_out, qkv, mask, seed = ctx.saved_tensors
-        n_heads, dropout_p = ctx.n_heads, ctx.dropout_p
-        keep = None
-        if dropout_p > 0:
-            B, T = qkv.shape[0], qkv.shape[1]
-            keep = torch.ops.causal_attention.dropout_keep_mask(seed, B, n_heads, T, dropout_p)  # (B, H, T, T)
-
-        def first_grad(go: Tensor, q: Tensor) -> Tensor:
-            core = lambda q_: reference.attention_core(q_, mask, n_heads, dropout_p=dropout_p, keep=keep)[0]  # noqa: E731
-            _, vjp = torch.func.vjp(core, q)
-            return vjp(go)[0]
-
+        first_grad = _reference_first_grad(qkv, mask, ctx.n_heads, ctx.dropout_p, seed)
         _, vjp2 = torch.func.vjp(first_grad, grad_out, qkv)
         d_grad_out, d_qkv = vjp2(grad_grad_qkv)
         return d_grad_out, d_qkv, None, None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, grad_out_t: Tensor | None, qkv_t: Tensor | None, *_: Any) -> Tensor | None:  # type: ignore[override]
+        grad_out, qkv, mask, seed = ctx.saved_tensors  # out and lse are functions of qkv: their part is in qkv's
+        if grad_out_t is None and qkv_t is None:
+            return None
+        first_grad = _reference_first_grad(qkv, mask, ctx.n_heads, ctx.dropout_p, seed)
+        tangents = (torch.zeros_like(grad_out) if grad_out_t is None else grad_out_t,
+                    torch.zeros_like(qkv) if qkv_t is None else qkv_t)
+        return torch.func.jvp(first_grad, (grad_out, qkv), tangents)[1]
+
+
+def _reference_core(qkv: Tensor, mask: Tensor | None, n_heads: int, dropout_p: float,
+                    seed: Tensor | None) -> Callable[[Tensor], Tensor]:
+    """qkv -> the reference's attention output, with the engine's dropout decisions (those of seed)."""
+    keep = None
+    if dropout_p > 0:
+        B, T = qkv.shape[0], qkv.shape[1]
+        keep = torch.ops.causal_attention.dropout_keep_mask(seed, B, n_heads, T, dropout_p)  # (B, H, T, T)
+    return lambda q: reference.attention_core(q, mask, n_heads, dropout_p=dropout_p, keep=keep)[0]
+
+
+def _reference_first_grad(qkv: Tensor, mask: Tensor | None, n_heads: int, dropout_p: float,
+                          seed: Tensor | None) -> Callable[[Tensor, Tensor], Tensor]:
+    """(grad_out, qkv) -> the reference's gradient of qkv: what attention_backward computes, differentiable."""
+    core = _reference_core(qkv, mask, n_heads, dropout_p, seed)
+
+    def first_grad(go: Tensor, q: Tensor) -> Tensor:
+        _, vjp = torch.func.vjp(core, q)
+        return vjp(go)[0]
+
+    return first_grad
 
 
 def draw_seed() -> Tensor:
