@@ -57,8 +57,13 @@ def test_check_at_tiny_shapes(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     cli.main(["--threads", "1", "check", "--shapes", "2,16,32,4", "1,9,24,3", "--repeats", "1", "--json", str(out)])
     assert torch.get_num_threads() == 1
     _check_rows(json.loads(out.read_text()), [(2, 16, 32, 4), (1, 9, 24, 3)])
-    printed = capsys.readouterr().out
-    assert "causal_attention check" in printed and "B=1 T=9 dim=24 H=3" in printed
+    printed = capsys.readouterr()
+    assert "causal_attention check (float32, 1 thread;" in printed.out and "B=1 T=9 dim=24 H=3" in printed.out
+    # Off a terminal the progress bar never draws: a line says what is being done, shape by shape.
+    progress = printed.err.splitlines()
+    assert progress[0].startswith("check: 2 shape(s) x 2 masks") and "1 interleaved rounds" in progress[0]
+    assert progress[1:] == ["check 1/4: B=2 T=16 dim=32 H=4 mask=none", "check 2/4: B=2 T=16 dim=32 H=4 mask=right",
+                            "check 3/4: B=1 T=9 dim=24 H=3 mask=none", "check 4/4: B=1 T=9 dim=24 H=3 mask=right"]
 
 
 def test_bench_at_tiny_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -320,7 +325,7 @@ def test_help_shows_every_default_and_no_markup(capsys: pytest.CaptureFixture[st
     for expected in ("sequence lengths (default: 256 512 1024 2048 4096)", "(default: 8,2048,768,12)",
                      "(default: bench_out/bench.json)", "(default: 5)"):
         assert expected in helps["bench"], expected
-    assert "(default: GPT-2 widths" in helps["check"] and "take minutes" in helps["check"]
+    assert "(default: GPT-2 widths" in helps["check"] and "take about 3 minutes on 2 cores" in helps["check"]
     assert "(default: ours)" in helps["convert"] and helps["convert"].count("(default:") == 2  # --to, --n-heads
 
 

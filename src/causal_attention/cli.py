@@ -10,6 +10,8 @@ from typing import Callable, NoReturn
 
 import torch
 
+from . import check as check_mod
+
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every option's default in its help, written as it is typed (lists spaced, shapes with commas);
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         return commands.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter)
 
     check = command("check", help="error against nn.MultiheadAttention and the reference, and timings; "
-                           "the default shapes take minutes (progress is printed as it goes)")
+                    f"{check_mod.DEFAULT_SHAPES_TIME} (progress is printed as it goes)")
     check.add_argument("--repeats", type=_positive, default=5, help="interleaved timing rounds (median)")
     check.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     check.add_argument("--shapes", type=_sizes("B", "T", "dim", "H"), nargs="+", default=None, metavar="B,T,dim,H",
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
                        "about ctx/2 tokens (default: 8,2048,768,12)")
 
     bench_tf = command("bench-transformers",
-                              help="GPT and the engine against transformers' GPT-2 on the same weights, with a plot")
+                       help="GPT and the engine against transformers' GPT-2 on the same weights, with a plot")
     bench_tf.add_argument("--repeats", type=_positive, default=3, help="interleaved timing rounds (median)")
     bench_tf.add_argument("--out", type=Path, default=Path("bench_out"),
                           help="where to write bench_transformers.json and bench_transformers.png")
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     bench_tf.add_argument("--quick", action="store_true", help="a tiny model and short sequences (a smoke test)")
 
     bench_dep = command("bench-deploy",
-                               help="the layer and the GPT in onnxruntime and AOTInductor against eager, with a plot")
+                        help="the layer and the GPT in onnxruntime and AOTInductor against eager, with a plot")
     bench_dep.add_argument("--repeats", type=_positive, default=3, help="interleaved timing rounds (median)")
     bench_dep.add_argument("--out", type=Path, default=Path("bench_out"),
                            help="where to write bench_deploy.json and bench_deploy.png")
@@ -147,8 +149,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.command == "check":
-        from . import check as check_mod
-
         check_mod.main(repeats=args.repeats, json_path=args.json, shapes=args.shapes)
     elif args.command == "demo":
         from . import demo as demo_mod
