@@ -288,8 +288,10 @@ GenerateResult GPTImpl::generate(const std::vector<std::vector<int64_t>>& prompt
   const auto B = static_cast<int64_t>(prompts.size());
   int64_t longest = 0;
   for (const auto& p : prompts) longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
-  TORCH_CHECK_VALUE(longest + options.max_new_tokens <= config_.max_len, "prompt (", longest, ") + max_new_tokens (",
-                    options.max_new_tokens, ") exceeds max_len=", config_.max_len);
+  // The last token chosen is never fed back: a prompt of max_len tokens gets one (as gpt.py).
+  const int64_t positions = longest + options.max_new_tokens - 1;
+  TORCH_CHECK_VALUE(positions <= config_.max_len, "prompt (", longest, ") + max_new_tokens (", options.max_new_tokens,
+                    ") - 1 = ", positions, " positions exceeds max_len=", config_.max_len);
 
   auto tokens = at::full({B, longest}, options.pad_id, at::kLong);  // (B, longest), right-padded
   auto lengths = at::empty({B}, at::kLong);                         // (B,)
@@ -314,7 +316,7 @@ GenerateResult GPTImpl::generate(const std::vector<std::vector<int64_t>>& prompt
   result.tokens.resize(B);
   std::vector<bool> done(B, false);
   std::vector<at::Tensor> kept;
-  auto caches = make_caches(B, longest + options.max_new_tokens);
+  auto caches = make_caches(B, positions);
   const auto h = hidden_states(tokens, mask, caches);                                    // (B, longest, dim)
   auto last = logits(h.index({at::arange(B, at::kLong), lengths - 1}));                  // (B, V)
   for (int64_t step = 0; step < options.max_new_tokens; ++step) {

@@ -57,8 +57,13 @@ def test_check_at_tiny_shapes(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     cli.main(["--threads", "1", "check", "--shapes", "2,16,32,4", "1,9,24,3", "--repeats", "1", "--json", str(out)])
     assert torch.get_num_threads() == 1
     _check_rows(json.loads(out.read_text()), [(2, 16, 32, 4), (1, 9, 24, 3)])
-    printed = capsys.readouterr().out
-    assert "causal_attention check" in printed and "B=1 T=9 dim=24 H=3" in printed
+    printed = capsys.readouterr()
+    assert "causal_attention check (float32, 1 thread;" in printed.out and "B=1 T=9 dim=24 H=3" in printed.out
+    # Off a terminal the progress bar never draws: a line says what is being done, shape by shape.
+    progress = printed.err.splitlines()
+    assert progress[0].startswith("check: 2 shape(s) x 2 masks") and "1 interleaved rounds" in progress[0]
+    assert progress[1:] == ["check 1/4: B=2 T=16 dim=32 H=4 mask=none", "check 2/4: B=2 T=16 dim=32 H=4 mask=right",
+                            "check 3/4: B=1 T=9 dim=24 H=3 mask=none", "check 4/4: B=1 T=9 dim=24 H=3 mask=right"]
 
 
 def test_bench_at_tiny_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -241,6 +246,89 @@ def test_demo_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "on 6 new problems" in printed and "reverse(" in printed
 
 
+def test_demo_says_what_its_final_loss_is(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The bar shows the last step's loss, the summary the mean of the last 20 steps: each is named."""
+    cli.main(["--threads", "1", "demo", "--steps", "25", "--seed", "5", "--out", str(tmp_path), "--n-eval", "4"])
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"final loss {metrics['final_loss']:.4f} (mean of the last 20 steps; the bar shows the last step's " in printed
+    assert "step loss" in printed  # the bar's label
+
+
+def test_demo_load_refuses_a_model_that_is_not_the_demos(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from causal_attention import demo
+    from causal_attention.gpt import GPT, GPTConfig
+
+    GPT(GPTConfig(vocab_size=50, max_len=32, dim=16, n_layers=1, n_heads=2)).save(tmp_path / "other")
+    GPT(GPTConfig(vocab_size=demo.VOCAB, max_len=demo.MAX_LEN, dim=16, n_layers=1, n_heads=2)).save(tmp_path / "bare")
+    cases = [("other", "not a demo model: config.json has vocab_size=50, max_len=32"),
+             ("bare", "tokenizer.json not found")]
+    for name, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["demo", "--load", str(tmp_path / name), "--n-eval", "4"])
+        assert exit_info.value.code == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""  # no "wrong" answers
+        assert captured.err.count("\n") == 1 and message in captured.err and f"--load {tmp_path / name}" in captured.err
+
+
+def _exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """cli.main(argv) must exit with code 2 (no traceback); returns its stderr's last line."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_demo_bad_paths_and_steps_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for steps in ("0", "-5"):
+        assert f"expected a positive integer; got '{steps}'" in _exit_2(["demo", "--steps", steps], capsys)
+    line = _exit_2(["demo", "--load", str(tmp_path / "nonexistent")], capsys)
+    assert f"--load {tmp_path / 'nonexistent'}: not found" in line
+    (tmp_path / "file").write_text("x")
+    line = _exit_2(["demo", "--steps", "1", "--out", str(tmp_path / "file")], capsys)
+    assert f"--out {tmp_path / 'file'}: is a file; expected a directory" in line
+
+
+def test_convert_unreadable_sources_exit_2_naming_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from causal_attention.gpt import GPT, GPTConfig
+
+    out = str(tmp_path / "out")
+    line = _exit_2(["convert", "--from", "nanogpt", str(tmp_path), "--out", out], capsys)
+    assert f"SRC {tmp_path}: is a directory; --from nanogpt takes a checkpoint file" in line
+    (tmp_path / "README.md").write_text("# not a checkpoint\n")
+    line = _exit_2(["convert", "--from", "nanogpt", str(tmp_path / "README.md"), "--out", out], capsys)
+    assert f"{tmp_path / 'README.md'}: not a nanoGPT checkpoint (torch.load:" in line
+    GPT(GPTConfig(vocab_size=11, max_len=8, dim=16, n_layers=1, n_heads=2)).save(tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    line = _exit_2(["convert", "--from", "ours", str(tmp_path / "m"), "--out", out], capsys)
+    assert f"{weights}: not a readable safetensors file" in line
+    line = _exit_2(["convert", "--from", "ours", str(tmp_path / "README.md"), "--out", out], capsys)
+    assert "is a file; --from ours takes a GPT.save directory" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_shows_every_default_and_no_markup(capsys: pytest.CaptureFixture[str]) -> None:
+    helps = {}
+    for argv in ([], ["demo"], ["bench"], ["check"], ["convert"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([*argv, "--help"])
+        assert exit_info.value.code == 0
+        helps[" ".join(argv)] = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert all("``" not in text and "%(default)" not in text for text in helps.values())
+    assert "python -m causal_attention {check, bench," in helps[""]
+    for expected in ("training steps (default: 1500)", "(default: demo_out)", "(default: 500)", "(default: 0)"):
+        assert expected in helps["demo"], expected
+    for expected in ("sequence lengths (default: 256 512 1024 2048 4096)", "(default: 8,2048,768,12)",
+                     "(default: bench_out/bench.json)", "(default: 5)"):
+        assert expected in helps["bench"], expected
+    assert "(default: GPT-2 widths" in helps["check"] and "take about 3 minutes on 2 cores" in helps["check"]
+    assert "(default: ours)" in helps["convert"] and helps["convert"].count("(default:") == 2  # --to, --n-heads
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -255,6 +343,7 @@ def test_demo_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         (["bench", "--hd", "-3"], "expected a positive integer; got '-3'"),
         (["demo", "--n-eval", "many"], "expected a positive integer; got 'many'"),
         (["demo", "--steps"], "expected one argument"),
+        (["demo", "--steps", "0"], "expected a positive integer; got '0'"),
         (["--threads", "0", "check"], "expected a positive integer; got '0'"),
     ],
 )

@@ -198,7 +198,54 @@ def test_top_k_sampling_with_a_seed_equals_python(tmp_path: Path) -> None:
 def test_bench_prints_tokens_per_second(demo_dir: tuple[GPT, Path]) -> None:
     _, directory = demo_dir
     out = run("--model", str(directory), "--prompt", "12345", "--bench", "--bench-runs", "2").stdout
-    assert "tokens/s" in out.splitlines()[-1]
+    assert "tokens/s" in out.splitlines()[-1] and "best of 2 runs" in out
+    out = run("--model", str(directory), "--prompt", "12345", "--bench", "--bench-runs", "1", "--threads", "1").stdout
+    assert out.splitlines()[-1].endswith(" tokens/s (1 thread)") and "best of 1 run:" in out
+
+
+def with_tokenizer(model: GPT, directory: Path, **ids: int) -> Path:
+    """The demo's files with tokenizer.json's ids changed."""
+    demo.save_model(model, directory)
+    (directory / "tokenizer.json").write_text(json.dumps({**demo.tokenizer_json(), **ids}))
+    return directory
+
+
+def test_token_prompts_stop_at_the_tokenizers_eos(demo_dir: tuple[GPT, Path], tmp_path: Path) -> None:
+    """--eos defaults to tokenizer.json's eos_id for --tokens as for --prompt."""
+    model, _ = demo_dir
+    prompt = [demo.BOS, 5, demo.SEP]
+    eos = model.generate([prompt], 1)[0][0]  # the model's first token: generation stops there
+    directory = with_tokenizer(model, tmp_path, eos_id=eos)
+    expected = model.generate([prompt], 13, eos_id=eos)[0]
+    assert expected == [eos]
+    out = run("--model", str(directory), "--tokens", ",".join(map(str, prompt)), "--max-new-tokens", "13").stdout
+    assert out.splitlines() == [",".join(map(str, expected))]
+
+
+def test_rows_follow_the_command_line_order(demo_dir: tuple[GPT, Path]) -> None:
+    model, directory = demo_dir
+    prompts = [[1, 2], [demo.BOS, 1, 2, demo.SEP], [3]]
+    expected = model.generate(prompts, 5, eos_id=demo.EOS)
+    out = run("--model", str(directory), "--tokens", "1,2", "--prompt", "12", "--tokens", "3", "--max-new-tokens", "5")
+    assert out.stdout.splitlines() == [",".join(map(str, expected[0])), answer_text(expected[1]),
+                                       ",".join(map(str, expected[2]))]
+
+
+def test_a_prompt_of_max_len_tokens_gets_one_token(saved: Path) -> None:
+    """The logits at the prompt's last position need no new position (as GPT.generate); the
+    default --max-new-tokens is what fits: max_len - prompt + 1, at most 32."""
+    model = GPT.load(saved)
+    full = [(7 * i) % 40 for i in range(32)]
+    for prompt in (full, full[:20]):
+        expected = model.generate([prompt], 32 - len(prompt) + 1)
+        out = run("--model", str(saved), "--tokens", ",".join(map(str, prompt))).stdout
+        assert [[int(t) for t in line.split(",")] for line in out.splitlines()] == expected
+    assert len(expected[0]) == 13
+
+
+def test_help_shows_the_defaults() -> None:
+    out = run("--help").stdout
+    assert "--bench-runs INT:POSITIVE=3" in out and "--temperature FLOAT=1" in out, out  # CLI11's OPTION TYPE=DEFAULT
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +313,15 @@ def test_mismatched_config_exits_2(saved: Path) -> None:
         (["--model", "{dir}", "--tokens", "1,40"], ["tokens must be in 0..39"]),
         (["--model", "{dir}", "--tokens", "1", "--max-new-tokens", "40"], ["exceeds max_len=32"]),
         (["--model", "{dir}", "--tokens", "1", "--top-k", "0"], ["top_k"]),
-        (["--model", "{dir}", "--tokens", "1", "--temperature", "0", "--top-k", "3"], ["temperature"]),
+        (["--model", "{dir}", "--tokens", "1", "--temperature", "0", "--top-k", "3"],
+         ["temperature must be positive; got 0"]),
+        (["--model", "{dir}", "--tokens", "1,2,"], ["--tokens: expected comma-separated", "'1,2,'"]),
+        (["--model", "{dir}", "--tokens", ",1"], ["--tokens: expected comma-separated", "',1'"]),
+        (["--model", "{dir}", "--tokens", "1", "--tokens", ""], ["--tokens: empty token list"]),
+        (["--model", "{dir}", "--tokens", "1", "--bench", "--bench-runs", "0"],
+         ["--bench-runs", "expected a positive integer; got '0'"]),
+        (["--model", "{dir}", "--tokens", "1", "--threads", "0"], ["--threads", "expected a positive integer; got '0'"]),
+        (["--model", "{dir}", "--tokens", "1," * 32 + "1"], ["- 1 = 33 positions exceeds max_len=32"]),
         (["--model", "{dir}", "--prompt", "12"], ["tokenizer.json"]),
         (["--model", "{dir}/nowhere", "--tokens", "1"], ["config.json not found"]),
         (["--model", "{dir}", "--tokens", "1", "--max-new-tokens", "many"], ["--max-new-tokens"]),
@@ -274,6 +329,17 @@ def test_mismatched_config_exits_2(saved: Path) -> None:
 )
 def test_bad_arguments_exit_2(saved: Path, args: list[str], contains: list[str]) -> None:
     expect_error(*[a.replace("{dir}", str(saved)) for a in args], contains=contains)
+
+
+def test_prompt_errors_name_the_character_and_the_file(demo_dir: tuple[GPT, Path], tmp_path: Path) -> None:
+    model, directory = demo_dir
+    expect_error("--model", str(directory), "--prompt", "1é2", contains=["--prompt: character 'é' is not in the "])
+    bad = with_tokenizer(model, tmp_path / "a", eos_id=13)
+    expect_error("--model", str(bad), "--prompt", "12",
+                 contains=["tokenizer.json: eos_id = 13 is outside the model's vocabulary 0..12 (config.json vocab_size=13)"])
+    bad = with_tokenizer(model, tmp_path / "b", vocab={"0": 0, "1": 99})
+    expect_error("--model", str(bad), "--tokens", "1",
+                 contains=["tokenizer.json: vocab['1'] = 99 is outside the model's vocabulary 0..12"])
 
 
 def test_help_exits_0() -> None:

@@ -151,7 +151,37 @@ def test_generate_argument_errors():
     with pytest.raises(ValueError, match="top_k"):
         model.generate([[1]], 3, top_k=54)
     with pytest.raises(ValueError, match="exceeds max_len=48"):
-        model.generate([[1] * 40], 9)
+        model.generate([[1] * 40], 10)
+    # The C++ program's rule and message: 0 is not greedy (top_k=None is).
+    for temperature in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="temperature must be positive; got"):
+            model.generate([[1]], 3, top_k=2, temperature=temperature)
+    with pytest.raises(ValueError, match=r"prompts\[0\]\[1\] must be an int token id; got 12.5"):
+        model.generate([[1, 12.5]], 3)
+    with pytest.raises(ValueError, match=r"prompts\[1\]\[0\] must be an int token id; got True"):
+        model.generate([[1], [True]], 3)
+    with pytest.raises(ValueError, match="integer tensor; got torch.float32"):
+        model.generate(torch.ones(2, 3), 3)
+
+
+def test_generate_takes_a_tensor_of_prompts():
+    model = random_gpt()
+    prompts = torch.randint(0, 53, (3, 5))
+    expected = model.generate(prompts.tolist(), 4)
+    assert model.generate(prompts, 4) == expected
+    assert model.generate(list(prompts), 4) == expected  # a list of 1-D tensors
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_prompt_of_max_len_tokens_gets_one_token(use_cache: bool):
+    """The logits at the prompt's last position need no new position: max_len - n + 1 tokens fit."""
+    model = random_gpt()  # max_len 48
+    prompts = [torch.randint(0, 53, (48,)).tolist(), [3, 4]]
+    with torch.no_grad():
+        last = model(torch.tensor([prompts[0]]))[0, -1]
+    assert model.generate(prompts, 1, use_cache=use_cache)[0] == [int(last.argmax())]
+    out = model.generate([prompts[0][:40]], 9, use_cache=use_cache)
+    assert len(out[0]) == 9
 
 
 @pytest.mark.parametrize("field", ["resid_dropout", "embd_dropout"])

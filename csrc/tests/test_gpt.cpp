@@ -246,6 +246,42 @@ TEST(GPT, GenerateStopsAtEosAndSamplesReproducibly) {
   EXPECT_THROW(model->generate(prompts, bad), c10::ValueError);
 }
 
+// The rules gpt.py's generate keeps too: a prompt of max_len tokens gets one token (the logits at
+// its last position need no new position); temperature must be positive, with the same message.
+TEST(GPT, GenerateFitsMaxLenAndRefusesTemperatureZero) {
+  torch::manual_seed(5);
+  const auto config = small_config();
+  auto model = random_model(config);
+  std::vector<int64_t> full(static_cast<size_t>(config.max_len));
+  for (size_t i = 0; i < full.size(); ++i) full[i] = static_cast<int64_t>(i % 7);
+  causal_attention::GenerateOptions one;
+  one.max_new_tokens = 1;
+  const auto result = model->generate({full, {3, 4}}, one);
+  torch::NoGradGuard no_grad;
+  const auto last = model->forward(torch::tensor(full).unsqueeze(0))[0][config.max_len - 1];
+  EXPECT_EQ(result.tokens[0], std::vector<int64_t>{last.argmax().item<int64_t>()});
+  causal_attention::GenerateOptions rest;
+  rest.max_new_tokens = 5;
+  const std::vector<int64_t> shorter(full.begin(), full.end() - 4);
+  EXPECT_EQ(model->generate({shorter}, rest).tokens[0].size(), 5u);
+  rest.max_new_tokens = 6;
+  try {
+    model->generate({shorter}, rest);
+    ADD_FAILURE() << "a prompt + max_new_tokens - 1 beyond max_len was accepted";
+  } catch (const c10::ValueError& error) {
+    EXPECT_NE(std::string(error.what()).find("- 1 = 25 positions exceeds max_len=24"), std::string::npos) << error.what();
+  }
+  causal_attention::GenerateOptions cold;
+  cold.top_k = 2;
+  cold.temperature = 0.0;
+  try {
+    model->generate({{1, 2}}, cold);
+    ADD_FAILURE() << "temperature 0 was accepted";
+  } catch (const c10::ValueError& error) {
+    EXPECT_NE(std::string(error.what()).find("temperature must be positive; got 0"), std::string::npos) << error.what();
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Files
 

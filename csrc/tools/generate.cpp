@@ -36,7 +36,8 @@ struct CharTokenizer {
   std::map<std::string, int64_t> vocab;
   std::optional<int64_t> bos_id, sep_id, eos_id;
 
-  static CharTokenizer load(const std::filesystem::path& path) {
+  // vocab_size: the model's (config.json); every id must index its embedding.
+  static CharTokenizer load(const std::filesystem::path& path, int64_t vocab_size) {
     using nlohmann::json;
     std::ifstream in(path);
     if (!in) {
@@ -52,29 +53,51 @@ struct CharTokenizer {
       throw bad("format must be \"causal_attention.char_tokenizer\"");
     }
     if (!values.contains("vocab") || !values["vocab"].is_object()) throw bad("vocab must be an object {text: id}");
+    const auto in_vocabulary = [&](const std::string& what, const json& id) {
+      if (!id.is_number_integer()) throw bad(what + " must be an int; got " + id.dump());
+      const auto value = id.get<int64_t>();
+      if (value < 0 || value >= vocab_size) {
+        throw bad(what + " = " + std::to_string(value) + " is outside the model's vocabulary 0.." +
+                  std::to_string(vocab_size - 1) + " (config.json vocab_size=" + std::to_string(vocab_size) + ")");
+      }
+      return value;
+    };
     CharTokenizer tokenizer;
     for (const auto& [piece, id] : values["vocab"].items()) {
-      if (!id.is_number_integer()) throw bad("vocab['" + piece + "'] must be an int; got " + id.dump());
-      tokenizer.vocab[piece] = id.get<int64_t>();
+      tokenizer.vocab[piece] = in_vocabulary("vocab['" + piece + "']", id);
     }
     for (const auto& [key, slot] : {std::pair{"bos_id", &tokenizer.bos_id}, std::pair{"sep_id", &tokenizer.sep_id},
                                     std::pair{"eos_id", &tokenizer.eos_id}}) {
       if (!values.contains(key) || values[key].is_null()) continue;
       if (!values[key].is_number_integer()) throw bad(std::string(key) + " must be an int or null");
-      *slot = values[key].get<int64_t>();
+      *slot = in_vocabulary(key, values[key]);
     }
     return tokenizer;
+  }
+
+  // The UTF-8 character starting at text[at] (its bytes), for vocab pieces beyond ASCII.
+  static std::string utf8_character(const std::string& text, size_t at) {
+    const auto lead = static_cast<unsigned char>(text[at]);
+    const size_t size = lead < 0x80 ? 1 : (lead >> 5) == 0x6 ? 2 : (lead >> 4) == 0xE ? 3 : (lead >> 3) == 0x1E ? 4 : 0;
+    bool valid = size > 0 && at + size <= text.size();
+    for (size_t i = 1; valid && i < size; ++i) valid = (static_cast<unsigned char>(text[at + i]) >> 6) == 0x2;
+    if (!valid) {
+      throw std::invalid_argument("--prompt: not valid UTF-8 at byte " + std::to_string(at) + " of the prompt");
+    }
+    return text.substr(at, size);
   }
 
   std::vector<int64_t> encode(const std::string& text) const {
     std::vector<int64_t> ids;
     if (bos_id) ids.push_back(*bos_id);
-    for (const char c : text) {
-      const auto found = vocab.find(std::string(1, c));
+    for (size_t at = 0; at < text.size();) {
+      const auto character = utf8_character(text, at);
+      const auto found = vocab.find(character);
       if (found == vocab.end()) {
-        throw std::invalid_argument("--prompt: character '" + std::string(1, c) + "' is not in the tokenizer's vocab");
+        throw std::invalid_argument("--prompt: character '" + character + "' is not in the tokenizer's vocab");
       }
       ids.push_back(found->second);
+      at += character.size();
     }
     if (sep_id) ids.push_back(*sep_id);
     return ids;
@@ -93,10 +116,13 @@ struct CharTokenizer {
 };
 
 std::vector<int64_t> parse_token_list(const std::string& text) {
+  if (text.empty()) throw std::invalid_argument("--tokens: empty token list");
   std::vector<int64_t> ids;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
+  // Every item between commas, so that an empty one (a trailing comma: "1,2,") is refused.
+  for (size_t start = 0; start <= text.size();) {
+    const auto comma = std::min(text.find(',', start), text.size());
+    const auto item = text.substr(start, comma - start);
+    start = comma + 1;
     size_t used = 0;
     int64_t id = -1;
     try {
@@ -109,7 +135,6 @@ std::vector<int64_t> parse_token_list(const std::string& text) {
     }
     ids.push_back(id);
   }
-  if (ids.empty()) throw std::invalid_argument("--tokens: empty token list");
   return ids;
 }
 
@@ -119,9 +144,16 @@ std::string join(const std::vector<int64_t>& ids) {
   return out;
 }
 
+// One prompt as given: text for the tokenizer (--prompt) or token ids (--tokens).
+struct Input {
+  bool text;
+  std::string value;
+};
+
 struct Arguments {
   std::string model;
   std::vector<std::string> prompts, token_lists;
+  std::vector<Input> inputs;  // prompts and token lists in command-line order
   std::optional<int64_t> max_new_tokens, top_k, eos, seed, threads;
   double temperature = 1.0;
   std::string dump_logits;
@@ -138,18 +170,23 @@ int run(const Arguments& args) {
   auto model = causal_attention::load_gpt(directory);
   const auto& config = model->config();
 
+  // The tokenizer encodes --prompt and gives --prompt and --tokens alike their default EOS.
+  const auto tokenizer_path = directory / "tokenizer.json";
   std::optional<CharTokenizer> tokenizer;
-  std::vector<std::vector<int64_t>> prompts;
-  if (!args.prompts.empty()) {
-    tokenizer = CharTokenizer::load(directory / "tokenizer.json");
-    for (const auto& text : args.prompts) prompts.push_back(tokenizer->encode(text));
+  if (!args.prompts.empty() || std::filesystem::exists(tokenizer_path)) {
+    tokenizer = CharTokenizer::load(tokenizer_path, config.vocab_size);
   }
-  for (const auto& text : args.token_lists) prompts.push_back(parse_token_list(text));
+  std::vector<std::vector<int64_t>> prompts;
+  for (const auto& input : args.inputs) {
+    prompts.push_back(input.text ? tokenizer->encode(input.value) : parse_token_list(input.value));
+  }
 
   causal_attention::GenerateOptions options;
   int64_t longest = 0;
   for (const auto& p : prompts) longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
-  options.max_new_tokens = args.max_new_tokens.value_or(std::max<int64_t>(1, std::min<int64_t>(32, config.max_len - longest)));
+  // The last token is never fed back, so a prompt of max_len tokens still gets one.
+  options.max_new_tokens =
+      args.max_new_tokens.value_or(std::max<int64_t>(1, std::min<int64_t>(32, config.max_len - longest + 1)));
   options.top_k = args.top_k;
   options.temperature = args.temperature;
   options.eos_id = args.eos.has_value() ? args.eos : (tokenizer ? tokenizer->eos_id : std::nullopt);
@@ -158,8 +195,7 @@ int run(const Arguments& args) {
 
   const auto result = model->generate(prompts, options);
   for (size_t b = 0; b < prompts.size(); ++b) {
-    std::cout << (tokenizer && b < args.prompts.size() ? tokenizer->decode(result.tokens[b]) : join(result.tokens[b]))
-              << "\n";
+    std::cout << (args.inputs[b].text ? tokenizer->decode(result.tokens[b]) : join(result.tokens[b])) << "\n";
   }
 
   if (!args.dump_logits.empty()) {
@@ -203,9 +239,10 @@ int run(const Arguments& args) {
       for (const auto& t : out.tokens) count += static_cast<int64_t>(t.size());
       best = std::max(best, static_cast<double>(count) / seconds);
     }
+    const int threads = at::get_num_threads();
     std::cout << "bench: " << count << " tokens for " << prompts.size() << " prompt(s), best of " << args.bench_runs
-              << " runs: " << std::fixed << std::setprecision(1) << best << " tokens/s (" << at::get_num_threads()
-              << " threads)\n";
+              << (args.bench_runs == 1 ? " run: " : " runs: ") << std::fixed << std::setprecision(1) << best
+              << " tokens/s (" << threads << (threads == 1 ? " thread)\n" : " threads)\n");
   }
   return 0;
 }
@@ -217,6 +254,19 @@ int main(int argc, char** argv) {
                "greedy or top-k, ragged batches, the C++ KV cache.",
                "causal-attention-generate"};
   Arguments args;
+  // CLI11's PositiveNumber names its range as two doubles; this says what is expected.
+  const CLI::Validator positive_integer(
+      [](const std::string& text) -> std::string {
+        size_t used = 0;
+        long long value = 0;
+        try {
+          value = std::stoll(text, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        return used == text.size() && used > 0 && value > 0 ? "" : "expected a positive integer; got '" + text + "'";
+      },
+      "POSITIVE");
   app.add_option("--model", args.model, "directory with config.json and model.safetensors (GPT.save, the demo's --out)")
       ->required();
   auto* prompt = app.add_option("--prompt", args.prompts,
@@ -225,17 +275,26 @@ int main(int argc, char** argv) {
   auto* tokens = app.add_option("--tokens", args.token_lists, "comma-separated token ids; repeat for a ragged batch");
   app.add_option("--max-new-tokens", args.max_new_tokens, "tokens to generate per prompt (default: up to 32, within max_len)");
   app.add_option("--top-k", args.top_k, "sample among the k most likely tokens (default: greedy)");
-  app.add_option("--temperature", args.temperature, "divides the logits before top-k sampling (default 1)");
+  app.add_option("--temperature", args.temperature, "divides the logits before top-k sampling; must be positive")
+      ->capture_default_str();
   app.add_option("--seed", args.seed, "seed for top-k sampling (as torch.Generator().manual_seed)");
   app.add_option("--eos", args.eos, "stop a sequence after this token id (default: the tokenizer's eos_id)");
   app.add_option("--dump-logits", args.dump_logits,
                  "write prompt_tokens, prompt_mask, forward_logits, step_logits and generated to this safetensors file");
   app.add_flag("--bench", args.bench, "time generation and print tokens/s");
-  app.add_option("--bench-runs", args.bench_runs, "runs timed by --bench (the best is printed)")->check(CLI::PositiveNumber);
-  app.add_option("--threads", args.threads, "intra-op threads (default: torch's, OMP_NUM_THREADS)");
+  app.add_option("--bench-runs", args.bench_runs, "runs timed by --bench (the best is printed)")
+      ->check(positive_integer)
+      ->capture_default_str();
+  app.add_option("--threads", args.threads, "intra-op threads (default: torch's, OMP_NUM_THREADS)")->check(positive_integer);
   try {
     app.parse(argc, argv);
     if (prompt->count() == 0 && tokens->count() == 0) throw CLI::RequiredError("--prompt or --tokens");
+    // Each value of --prompt or --tokens is one entry of parse_order: the rows keep that order.
+    size_t next_prompt = 0, next_tokens = 0;
+    for (const auto* option : app.parse_order()) {
+      if (option == prompt) args.inputs.push_back({true, args.prompts.at(next_prompt++)});
+      if (option == tokens) args.inputs.push_back({false, args.token_lists.at(next_tokens++)});
+    }
   } catch (const CLI::ParseError& error) {
     const int code = app.exit(error);
     return code == 0 ? 0 : kUsageError;

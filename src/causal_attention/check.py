@@ -1,4 +1,4 @@
-"""``python -m causal_attention check``: exactness and speed of the layer at GPT-sized shapes.
+"""python -m causal_attention check: exactness and speed of the layer at GPT-sized shapes.
 
 For each shape (no padding and right padding, lengths uniform in [T/2, T]), float32:
 the max error of each backend against nn.MultiheadAttention (same weights) and against the
@@ -25,6 +25,7 @@ from .timing import interleaved_medians
 
 # (B, T, dim, n_heads): GPT-2 small widths at a few lengths.
 SHAPES = [(4, 256, 768, 12), (2, 1024, 768, 12), (1, 512, 1024, 16)]
+DEFAULT_SHAPES_TIME = "the default shapes take about 3 minutes on 2 cores"
 
 
 @dataclass
@@ -70,17 +71,31 @@ def _no_grad(fn: Callable[[Tensor], Tensor], x: Tensor) -> Callable[[], None]:
     return run
 
 
-def run_check(*, repeats: int = 5, shapes: list[tuple[int, int, int, int]] | None = None) -> list[Row]:
-    """Rows for every (B, T, dim, n_heads) of shapes (default SHAPES), without and with padding."""
+def run_check(*, repeats: int = 5, shapes: list[tuple[int, int, int, int]] | None = None,
+              console: Console | None = None) -> list[Row]:
+    """Rows for every (B, T, dim, n_heads) of shapes (default SHAPES), without and with padding.
+    Progress goes to console (default stderr): a bar on a terminal, else a line per shape and mask."""
     shapes = shapes or SHAPES
+    console = console or Console(stderr=True, soft_wrap=True)  # a line per step, unwrapped
+    total = 2 * len(shapes)
+    console.print(f"check: {len(shapes)} shape(s) x 2 masks (none, right padding), float32: errors, then "
+                  f"forward and forward+backward timed in {repeats} interleaved rounds"
+                  + (f"; {DEFAULT_SHAPES_TIME}" if shapes == SHAPES else ""))
     rows: list[Row] = []
-    with Progress(transient=True) as progress:
-        task = progress.add_task("check", total=2 * len(shapes))
+    # The bar draws on a terminal only (elsewhere it would print one blank line): else a line a step.
+    progress = Progress(console=console, transient=True, disable=not console.is_terminal)
+    with progress:
+        task = progress.add_task("check", total=total)
+        done = 0
         for B, T, dim, H in shapes:
             for mask_kind in ("none", "right"):
-                progress.update(task, description=f"B={B} T={T} dim={dim} H={H} mask={mask_kind}")
+                description = f"B={B} T={T} dim={dim} H={H} mask={mask_kind}"
+                progress.update(task, description=description)
+                if not console.is_terminal:
+                    console.print(f"check {done + 1}/{total}: {description}")
                 rows += _check_one(B, T, dim, H, mask_kind, repeats)
                 progress.advance(task)
+                done += 1
     return rows
 
 
@@ -132,7 +147,8 @@ def _with_backend(attn: CausalSelfAttention, backend: str, x: Tensor, mask: Tens
 
 def print_rows(rows: list[Row], console: Console | None = None) -> None:
     console = console or Console(width=max(Console().width, 150))
-    table = Table(title=f"causal_attention check (float32, {torch.get_num_threads()} threads; "
+    threads = torch.get_num_threads()
+    table = Table(title=f"causal_attention check (float32, {threads} thread{'s' if threads != 1 else ''}; "
                   "times are medians of interleaved runs)")
     for col in ("shape", "mask", "impl", "max err vs MHA", "max err vs ref f64", "fwd ms", "fwd+bwd ms",
                 "fwd+bwd vs MHA"):

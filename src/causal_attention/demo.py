@@ -1,4 +1,4 @@
-"""``python -m causal_attention demo``: train a tiny GPT built from the layer, then generate.
+"""python -m causal_attention demo: train a tiny GPT built from the layer, then generate.
 
 The task: reverse a digit string of length 1..12, e.g. ``BOS 3 1 4 SEP -> 4 1 3 EOS``. Sequences
 vary in length, so batches are right-padded with a key_padding_mask, and the answer needs
@@ -6,8 +6,8 @@ attention (output i copies input n - 1 - i). After training, held-out problems a
 one ragged batch with the KV cache (greedy), and without it (recomputing the prefix) for speed.
 
 Writes to --out: metrics.json, loss.png, attention.png, model.safetensors, config.json and
-tokenizer.json (the digits' ids and BOS/SEP/EOS, for ``causal-attention-generate --prompt``).
-``--load DIR`` answers new problems with a saved model, without training.
+tokenizer.json (the digits' ids and BOS/SEP/EOS, for causal-attention-generate --prompt).
+--load DIR answers new problems with a model a demo run saved, without training.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ SEP, EOS, BOS = 10, 11, 12  # digits are 0..9
 VOCAB = 13
 MAX_DIGITS = 12
 MAX_LEN = 2 * MAX_DIGITS + 3  # BOS digits SEP reversed EOS
+FINAL_LOSS_STEPS = 20  # metrics' final_loss: the mean of the last steps' losses (one step's is noisy)
 
 
 def make_problem(rng: random.Random) -> tuple[list[int], list[int]]:
@@ -86,7 +87,7 @@ def train(model: GPT, *, steps: int, seed: int, batch_size: int = 64, lr: float 
     tokens_seen = 0
     start = time.perf_counter()
     columns = (TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-               TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeElapsedColumn())
+               TextColumn("step loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("train", total=steps, loss=float("nan"), tps=0.0)
         for step in range(steps):
@@ -189,7 +190,25 @@ def save_model(model: GPT, out: Path) -> None:
 
 
 def load_model(directory: Path) -> GPT:
-    return GPT.load(directory)
+    """A model a demo run saved; ValueError if the directory holds another model (its answers
+    would be meaningless): the vocabulary must be the demo's, max_len must fit its problems and
+    tokenizer.json must be the demo's."""
+    model = GPT.load(directory)
+    config = model.config
+    if config.vocab_size != VOCAB or config.max_len < MAX_LEN:
+        raise ValueError(f"not a demo model: config.json has vocab_size={config.vocab_size}, max_len={config.max_len}; "
+                         f"the demo's has vocab_size={VOCAB} and max_len >= {MAX_LEN}")
+    path = directory / "tokenizer.json"
+    try:
+        tokenizer = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"not a demo model: {path} not found (a demo run writes it beside the model)") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not well-formed JSON ({exc})") from None
+    if tokenizer != tokenizer_json():
+        raise ValueError(f"not a demo model: {path} is not the demo's tokenizer (digits 0..9, BOS={BOS}, SEP={SEP}, "
+                         f"EOS={EOS})")
+    return model
 
 
 def _show(console: Console, problems: list[tuple[list[int], list[int]]], answers: list[list[int]], n: int = 5) -> None:
@@ -279,7 +298,7 @@ def _finish(model: GPT, losses: list[float], train_seconds: float, train_tps: fl
         "tokens_per_s_nocache": tps_nocache,
         "steps": steps,
         "seed": seed,
-        "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+        "final_loss": sum(losses[-FINAL_LOSS_STEPS:]) / len(losses[-FINAL_LOSS_STEPS:]),
         "eval_problems": n_eval,
         **(extra or {}),
     }
@@ -287,7 +306,10 @@ def _finish(model: GPT, losses: list[float], train_seconds: float, train_tps: fl
     plot_loss(losses, out / "loss.png")
     plot_attention(model, problems[0], out / "attention.png")
     save_model(model, out)
-    console.print(f"trained {steps} steps in {train_seconds:.1f} s ({train_tps:,.0f} tokens/s); final loss {metrics['final_loss']:.4f}")
+    last = min(FINAL_LOSS_STEPS, len(losses))
+    console.print(f"trained {steps} steps in {train_seconds:.1f} s ({train_tps:,.0f} tokens/s); final loss "
+                  f"{metrics['final_loss']:.4f} (mean of the last {last} steps; the bar shows the last step's "
+                  f"{losses[-1]:.4f})")
     console.print(f"held-out exact match: {acc:.1%} of {n_eval} (target >= 95%)")
     console.print(f"decode: {tps_cache:,.0f} tokens/s with the KV cache, {tps_nocache:,.0f} without "
                   f"({tps_cache / tps_nocache:.1f}x)")

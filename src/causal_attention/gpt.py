@@ -10,6 +10,7 @@ Shapes: B = batch, T = tokens, V = vocabulary, dim = model width, N = real token
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -330,7 +331,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(
         self,
-        prompts: list[list[int]],
+        prompts: list[list[int]] | Tensor,
         max_new_tokens: int,
         *,
         use_cache: bool = True,
@@ -342,23 +343,30 @@ class GPT(nn.Module):
     ) -> list[list[int]]:
         """Continues every prompt by up to max_new_tokens tokens, in one ragged batch.
 
-        Greedy when top_k is None, else top-k sampling at the temperature. With use_cache the
-        prompts are prefilled right-padded into a KV cache (no left padding; the head runs only at
-        each prompt's last token) and each step feeds one token per sequence; without it every step
-        recomputes the whole prefix (for comparison). Returns the generated tokens of each prompt
+        prompts: B lists of int token ids (ragged), or a (B, T) integer tensor (B prompts of T
+        tokens). Greedy when top_k is None, else top-k sampling at the temperature (positive; it
+        divides the logits). With use_cache the prompts are prefilled right-padded into a KV cache
+        (no left padding; the head runs only at each prompt's last token) and each step feeds one
+        token per sequence; without it every step recomputes the whole prefix (for comparison).
+        The last generated token is never fed back, so prompt + max_new_tokens - 1 must fit in
+        max_len (a prompt of max_len tokens gets one). Returns the generated tokens of each prompt
         (up to and including eos_id).
         """
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("prompts must be a non-empty list of non-empty token lists")
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        prompts = _token_lists(prompts)
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive int; got {max_new_tokens!r}")
         if top_k is not None and not 1 <= top_k <= self.config.vocab_size:
             raise ValueError(f"top_k must be None or in 1..vocab_size={self.config.vocab_size}; got {top_k}")
+        # The C++ GenerateOptions' rule and message: 0 is not greedy (top_k=None is).
+        if not temperature > 0:
+            raise ValueError(f"temperature must be positive; got {temperature}")
         device = self.tok.weight.device
         lengths = torch.tensor([len(p) for p in prompts], device=device)  # (B,)
         B, longest = len(prompts), int(lengths.max())
-        if longest + max_new_tokens > self.config.max_len:
-            raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds max_len={self.config.max_len}")
+        positions = longest + max_new_tokens - 1  # the last token chosen needs no position
+        if positions > self.config.max_len:
+            raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) - 1 = {positions} positions "
+                             f"exceeds max_len={self.config.max_len}")
         out: list[list[int]] = [[] for _ in prompts]
         done = torch.zeros(B, dtype=torch.bool, device=device)
 
@@ -379,7 +387,7 @@ class GPT(nn.Module):
 
         if use_cache:
             tokens = self._pad(prompts, longest, pad_id)  # (B, longest)
-            caches = self.make_caches(B, longest + max_new_tokens)
+            caches = self.make_caches(B, positions)
             last = self.last_logits(tokens, lengths, caches=caches)  # (B, V)
             for step in range(max_new_tokens):
                 nxt = choose(last)  # (B,)
@@ -453,6 +461,35 @@ class GPT(nn.Module):
         from . import checkpoints
 
         return checkpoints.to_nanogpt_state_dict(self)
+
+
+def _token_lists(prompts: Any) -> list[list[int]]:
+    """generate's prompts as lists of ints: a list of token-id sequences, or a (B, T) integer
+    tensor. Anything else (floats, bools, an empty prompt) is a ValueError naming the place."""
+    if isinstance(prompts, Tensor):
+        if prompts.dim() != 2 or prompts.dtype.is_floating_point or prompts.dtype.is_complex or prompts.dtype == torch.bool:
+            raise ValueError(f"prompts as a tensor must be a (B, T) integer tensor; got {prompts.dtype} of shape "
+                             f"{tuple(prompts.shape)}")
+        prompts = prompts.tolist()
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
+        raise ValueError(f"prompts must be a non-empty list of non-empty token lists; got {prompts!r:.80}")
+    out: list[list[int]] = []
+    for b, prompt in enumerate(prompts):
+        if isinstance(prompt, Tensor):
+            prompt = prompt.tolist() if prompt.dim() == 1 else prompt
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__") or len(prompt) == 0:
+            raise ValueError(f"prompts must be a non-empty list of non-empty token lists; prompts[{b}] is {prompt!r:.80}")
+        tokens = []
+        for t, token in enumerate(prompt):
+            # int or numpy's integers; a float (12.5) is not truncated, nor a bool taken for 0/1.
+            try:
+                if isinstance(token, bool):
+                    raise TypeError
+                tokens.append(operator.index(token))
+            except TypeError:
+                raise ValueError(f"prompts[{b}][{t}] must be an int token id; got {token!r}") from None
+        out.append(tokens)
+    return out
 
 
 def load_config(path: Path) -> GPTConfig:

@@ -85,7 +85,7 @@ TORCH_MODULE(Block);
 struct GenerateOptions {
   int64_t max_new_tokens = 32;
   std::optional<int64_t> top_k;     // none: greedy; else top-k sampling at the temperature
-  double temperature = 1.0;
+  double temperature = 1.0;         // must be positive (top-k divides the logits by it)
   std::optional<int64_t> eos_id;    // a sequence stops after generating it (it is kept)
   int64_t pad_id = 0;               // fills the right padding of the prefill (never attended)
   std::optional<uint64_t> seed;     // top-k: a generator seeded so (torch.Generator().manual_seed)
@@ -114,7 +114,8 @@ class GPTImpl : public torch::nn::Module {
   std::vector<KVCache> make_caches(int64_t batch_size, int64_t max_len) const;
 
   // GPT.generate of gpt.py with use_cache=True: the prompts prefilled right-padded into the caches
-  // (the head only at each prompt's last token), then one token per sequence per step.
+  // (the head only at each prompt's last token), then one token per sequence per step. The last
+  // token is never fed back: longest prompt + max_new_tokens - 1 <= max_len.
   GenerateResult generate(const std::vector<std::vector<int64_t>>& prompts, const GenerateOptions& options);
 
   const GPTConfig& config() const { return config_; }
