@@ -44,6 +44,30 @@ def test_a_later_non_finite_input_leaves_earlier_outputs_alone(dtype, poison, hd
     assert not out[:, 250:].isfinite().all(dim=-1).any()  # every later row attends it
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("chunks", [[300], [200, 100], [249, 51], [240, 60], [249, 2, 49], [245, 6, 49]],
+                         ids=lambda c: "+".join(map(str, c)))
+def test_a_later_non_finite_input_leaves_earlier_outputs_alone_through_the_cache(dtype, chunks):
+    """Prefill and steps through a KV cache, in chunks of many rows (tiles over the cache) and of a
+    few (rows streamed one by one), with the poisoned position inside a chunk."""
+    attn = _layer(64, 4, dtype)
+    x = torch.randn(2, 300, 64, dtype=dtype)
+    poisoned = x.clone()
+    poisoned[:, 250] = math.nan
+    outs = []
+    with torch.no_grad():
+        for inputs in (x, poisoned):
+            cache, start, parts = attn.make_cache(2, 300), 0, []
+            for n in chunks:
+                parts.append(attn(inputs[:, start:start + n], cache=cache))
+                start += n
+            outs.append(torch.cat(parts, 1))
+    clean, out = outs
+    assert out[:, :250].isfinite().all()
+    assert rel_err(out[:, :250], clean[:, :250]) <= TOL[dtype]
+    assert out[:, 250:].isnan().any(-1).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("backend", ["cpp", "reference"])
 def test_core_rows_before_a_poisoned_key_are_unchanged(dtype, backend):

@@ -261,8 +261,9 @@ class DecodePass {
     const int64_t b = bh / H_, h = bh % H_;
     for (int64_t i = 0; i < t_; ++i) {
       acc_t top = -std::numeric_limits<acc_t>::infinity();
-      for (int64_t sp = 0; sp < n_split_; ++sp) {
-        top = std::max(top, state(bh * n_split_ + sp)[t_ * hd_ + i]);
+      for (int64_t sp = 0; sp < n_split_; ++sp) {  // a NaN max (a NaN score) stays: std::max would drop it
+        const acc_t m = state(bh * n_split_ + sp)[t_ * hd_ + i];
+        top = (std::isnan(m) || m > top) ? m : top;
       }
       scalar_t* row = out_ + (b * t_ + i) * dim_ + h * hd_;
       if (top == -std::numeric_limits<acc_t>::infinity()) {  // no visible key: output 0
@@ -319,6 +320,10 @@ class DecodePass {
                                                     Products::kBlas).x;  // entries <= 1
         blas::gemm(false, false, rows, hd_, cols, acc_t(1), p, cols, values + k0 * hd_, hd_, acc_t(0), ws.pv.data(),
                    hd_);
+        if (start_[b] + r0 - k0 + 1 < cols) {  // the first row may not see every key of the tile
+          exclude_masked_values<scalar_t>({p, cols, nullptr, 0}, values + k0 * hd_, hd_, rows, cols, hd_,
+                                          start_[b] + r0 - k0, nullptr, ws.pv.data());
+        }
         acc_ops.rescale_add(o + r0 * hd_, hd_, ws.pv.data(), hd_, rows, hd_, ws.alpha.data());
       }
     }

@@ -13,6 +13,8 @@
 
 #include <cstdint>
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -347,6 +349,64 @@ void row_product(bool trans_a, int64_t m, int64_t n, int64_t k, const Operand<sc
   }
   TORCH_INTERNAL_ASSERT(a.x != nullptr, "row_product: BLAS needs the left operand in the input type");
   blas::gemm(trans_a, false, m, n, k, acc_t(1), a.x, a.ld, b, ld_b, accumulate ? acc_t(1) : acc_t(0), c, ldc);
+}
+
+// ---- Masked keys that hold NaN or inf ----------------------------------------------------------
+
+// Whether every one of the n values at x is finite: the exponent bits of each, OR-ed (vectorised).
+template <typename acc_t>
+bool all_finite(const acc_t* x, int64_t n) {
+  using Bits = std::conditional_t<sizeof(acc_t) == 4, uint32_t, uint64_t>;
+  constexpr Bits kExponent = static_cast<Bits>(sizeof(acc_t) == 4 ? 0x7f800000ull : 0x7ff0000000000000ull);
+  Bits bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    Bits bits;
+    std::memcpy(&bits, x + i, sizeof(bits));
+    bad |= static_cast<Bits>((bits & kExponent) == kExponent);
+  }
+  return bad == 0;
+}
+
+// Element (i, j) of a product's left operand, as the product reads it.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+acc_t operand_at(const Operand<scalar_t>& a, int64_t i, int64_t j) {
+  if (a.wide != nullptr) {
+    return a.wide[i * a.ld_wide + j];
+  }
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (a.pairs.x != nullptr) {  // pairs along the row: element j at j
+      return static_cast<acc_t>(a.pairs.x[i * a.pairs.rs + j]);
+    }
+  }
+  return static_cast<acc_t>(a.x[i * a.ld + j]);
+}
+
+// A product P V sums every key of the tile for every row, so a key that a row may not see (later, or
+// padding: P = 0 there) still adds 0 * v, which is NaN where v is NaN or inf: a later position's NaN
+// reached earlier rows. Rows of pv (n x hd) that came out non-finite are summed again over the keys the
+// row may see only (row i: j <= i + causal_offset, key_mask[j] where given), in k order with fused
+// multiply-adds (the micro-kernel's order). Only tiles with masked entries can have such keys.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void exclude_masked_values(const Operand<scalar_t>& p, const scalar_t* v, int64_t ld_v, int64_t n, int64_t cols,
+                           int64_t hd, int64_t causal_offset, const bool* key_mask, acc_t* pv) {
+  for (int64_t i = 0; i < n; ++i) {
+    acc_t* row = pv + i * hd;
+    if (all_finite(row, hd)) {
+      continue;
+    }
+    std::fill(row, row + hd, acc_t(0));
+    const int64_t seen = std::clamp<int64_t>(i + causal_offset + 1, 0, cols);
+    for (int64_t j = 0; j < seen; ++j) {
+      if (key_mask != nullptr && !key_mask[j]) {
+        continue;
+      }
+      const acc_t w = operand_at(p, i, j);
+      const scalar_t* vj = v + j * ld_v;
+      for (int64_t d = 0; d < hd; ++d) {
+        row[d] = std::fma(w, static_cast<acc_t>(vj[d]), row[d]);
+      }
+    }
+  }
 }
 
 }  // namespace causal_attention::kernels
