@@ -644,7 +644,7 @@ def test_half_precision_backward_of_nearly_one_hot_rows() -> None:
 # micro-kernel summed each output of P V over a key block in one chain, where the BLAS behind both
 # baselines sums a one-column product in many lanes; the forward's O drifted up to 4x further than
 # SDPA's, and dS = P (dP - dO . O) turned the drift into a bias of dK and dQ that grad qkv.weight sums
-# over T (3.6x its tolerance). Heads narrower than a panel now go to BLAS.
+# over T (3.6x its tolerance). Products narrower than a panel now sum in blocks (tile_products.h).
 _NARROW_HEAD_DRAWS = [
     (MaskSpec(None), "sliced", 8.0, 721192),
     (MaskSpec((("left", 3),), torch.bool, "strided"), "strided", 3.0, 577146255),
