@@ -10,6 +10,7 @@ Shapes: B = batch, T = tokens, V = vocabulary, dim = model width, N = real token
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -136,8 +137,6 @@ def _listing(names: list[str]) -> str:
 def _config_values(values: dict[str, Any], *, source: str) -> dict[str, Any]:
     """GPTConfig's keyword arguments from config.json's values, checked in the order C++'s
     GPTConfig::from_json checks them: unknown keys, format, missing keys, each key's JSON type."""
-    import warnings
-
     unknown = sorted(set(values) - set(_OPTIONS) - {"format", "mlp_ratio"})
     if unknown:
         raise ValueError(f"{source}: unknown option(s) {_listing(unknown)}; known: {', '.join(sorted(_OPTIONS + ('format',)))}")
