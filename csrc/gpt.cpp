@@ -13,7 +13,9 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <fstream>
+#include <iostream>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -71,71 +73,137 @@ void GPTConfig::validate() const {
   }
 }
 
+namespace {
+
+// config.json's options, in GPTConfig's order (as gpt.py's fields), and an older version's file:
+// the demo's, with mlp_ratio, whose missing options take the values of the model it built.
+constexpr std::array<const char*, 13> kOptions{"vocab_size",    "max_len",        "dim",        "n_layers", "n_heads",
+                                               "mlp_hidden",    "layer_norm_eps", "activation", "bias",     "tie_head",
+                                               "attn_dropout", "resid_dropout",  "embd_dropout"};
+constexpr std::array<const char*, 6> kLegacyRequired{"vocab_size", "max_len", "dim", "n_layers", "n_heads", "mlp_ratio"};
+
+const std::vector<std::pair<std::string, nlohmann::json>>& legacy_defaults() {
+  static const std::vector<std::pair<std::string, nlohmann::json>> defaults{
+      {"layer_norm_eps", 1e-5}, {"activation", "gelu"},  {"bias", true},         {"tie_head", true},
+      {"attn_dropout", 0.0},    {"resid_dropout", 0.0}, {"embd_dropout", 0.0}};
+  return defaults;
+}
+
+// ['a', 'b'] (at most 8 names, then ', ...'), as gpt.py's _listing.
+std::string listing(const std::vector<std::string>& names) {
+  std::string out = "[";
+  for (size_t i = 0; i < names.size() && i < 8; ++i) out += (i ? ", '" : "'") + names[i] + "'";
+  return out + (names.size() > 8 ? ", ...]" : "]");
+}
+
+bool is_int64(const nlohmann::json& value) {
+  return value.is_number_integer() &&
+         !(value.is_number_unsigned() && value.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX));
+}
+
+}  // namespace
+
 GPTConfig GPTConfig::from_json(const std::string& text, const std::string& source) {
   using nlohmann::json;
-  const json values = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  json values = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (values.is_discarded()) throw FormatError(source + ": not well-formed JSON");
   if (!values.is_object()) throw FormatError(concat(source, ": must be a JSON object; got ", values.type_name()));
-  GPTConfig config;
-  const auto want_int = [&](const std::string& key, const json& value) -> int64_t {
-    if (!value.is_number_integer()) throw FormatError(concat(source, ": ", key, " must be an int; got ", value.dump()));
-    return value.get<int64_t>();
+  // The checks in gpt.py's order (_config_values): unknown keys, format, missing keys, types, ranges.
+  const auto is_option = [](const std::string& key) {
+    return std::any_of(kOptions.begin(), kOptions.end(), [&](const char* option) { return key == option; });
   };
-  const auto want_number = [&](const std::string& key, const json& value) -> double {
-    if (!value.is_number()) throw FormatError(concat(source, ": ", key, " must be a number; got ", value.dump()));
-    return value.get<double>();
-  };
-  const auto want_bool = [&](const std::string& key, const json& value) -> bool {
-    if (!value.is_boolean()) throw FormatError(concat(source, ": ", key, " must be true or false; got ", value.dump()));
-    return value.get<bool>();
-  };
-  std::optional<int64_t> mlp_ratio;  // written by earlier versions of the demo
-  bool has_vocab = false, has_max_len = false;
-  for (const auto& [key, value] : values.items()) {
-    if (key == "format") {
-      if (!value.is_string() || value.get<std::string>() != kFormat) {
-        throw FormatError(concat(source, ": format must be \"", kFormat, "\"; got ", value.dump()));
-      }
-    } else if (key == "vocab_size") {
-      config.vocab_size = want_int(key, value);
-      has_vocab = true;
-    } else if (key == "max_len") {
-      config.max_len = want_int(key, value);
-      has_max_len = true;
-    } else if (key == "dim") {
-      config.dim = want_int(key, value);
-    } else if (key == "n_layers") {
-      config.n_layers = want_int(key, value);
-    } else if (key == "n_heads") {
-      config.n_heads = want_int(key, value);
-    } else if (key == "mlp_hidden") {
-      config.mlp_hidden = value.is_null() ? std::nullopt : std::optional<int64_t>(want_int(key, value));
-    } else if (key == "mlp_ratio") {
-      mlp_ratio = want_int(key, value);
-    } else if (key == "layer_norm_eps") {
-      config.layer_norm_eps = want_number(key, value);
-    } else if (key == "activation") {
-      if (!value.is_string()) throw FormatError(concat(source, ": activation must be a string; got ", value.dump()));
-      config.activation = value.get<std::string>();
-    } else if (key == "bias") {
-      config.bias = want_bool(key, value);
-    } else if (key == "tie_head") {
-      config.tie_head = want_bool(key, value);
-    } else if (key == "attn_dropout") {
-      config.attn_dropout = want_number(key, value);
-    } else if (key == "resid_dropout") {
-      config.resid_dropout = want_number(key, value);
-    } else if (key == "embd_dropout") {
-      config.embd_dropout = want_number(key, value);
-    } else {
-      throw FormatError(concat(source, ": unknown option '", key,
-                               "'; known: activation, attn_dropout, bias, dim, embd_dropout, format, layer_norm_eps, "
-                               "max_len, mlp_hidden, n_heads, n_layers, resid_dropout, tie_head, vocab_size"));
+  std::vector<std::string> unknown;
+  for (const auto& [key, _] : values.items()) {  // sorted, as nlohmann::json keeps objects
+    if (!is_option(key) && key != "format" && key != "mlp_ratio") unknown.push_back(key);
+  }
+  if (!unknown.empty()) {
+    throw FormatError(concat(source, ": unknown option(s) ", listing(unknown),
+                             "; known: activation, attn_dropout, bias, dim, embd_dropout, format, layer_norm_eps, "
+                             "max_len, mlp_hidden, n_heads, n_layers, resid_dropout, tie_head, vocab_size"));
+  }
+  if (values.contains("format") && values["format"] != kFormat) {
+    throw FormatError(concat(source, ": format must be \"", kFormat, "\"; got ", values["format"].dump()));
+  }
+  const bool legacy = values.contains("mlp_ratio");
+  if (legacy && values.contains("mlp_hidden")) {
+    throw FormatError(source + ": mlp_ratio (an older version's option) and mlp_hidden cannot both be given");
+  }
+  std::vector<std::string> missing;
+  if (legacy) {
+    for (const char* key : kLegacyRequired) {
+      if (!values.contains(key)) missing.emplace_back(key);
+    }
+  } else {
+    for (const char* key : kOptions) {
+      if (!values.contains(key)) missing.emplace_back(key);
     }
   }
-  if (!has_vocab || !has_max_len) throw FormatError(source + ": vocab_size and max_len are required");
-  if (mlp_ratio.has_value() && !config.mlp_hidden.has_value() && *mlp_ratio != 4) {
-    config.mlp_hidden = *mlp_ratio * config.dim;
+  std::sort(missing.begin(), missing.end());
+  if (!missing.empty()) {
+    throw FormatError(concat(source, ": missing option(s) ", listing(missing), " (GPT.save writes every option)"));
+  }
+  std::string taken;  // an older version's file: the options it lacks, named in a warning below
+  if (legacy) {
+    for (const auto& [key, value] : legacy_defaults()) {
+      if (values.contains(key)) continue;
+      taken += (taken.empty() ? "" : ", ") + key + "=" + value.dump();
+      values[key] = value;
+    }
+  }
+
+  GPTConfig config;
+  const auto wrong = [&](const char* key, const char* what) {
+    return FormatError(concat(source, ": ", key, " must be ", what, "; got ", values[key].dump()));
+  };
+  const auto want_int = [&](const char* key) {
+    if (!is_int64(values[key])) throw wrong(key, "an int");
+    return values[key].get<int64_t>();
+  };
+  const auto want_number = [&](const char* key) {
+    if (!values[key].is_number()) throw wrong(key, "a number");
+    return values[key].get<double>();
+  };
+  const auto want_bool = [&](const char* key) {
+    if (!values[key].is_boolean()) throw wrong(key, "true or false");
+    return values[key].get<bool>();
+  };
+  for (const char* key : kOptions) {
+    if (!values.contains(key)) continue;
+    const std::string name = key;
+    if (name == "vocab_size") config.vocab_size = want_int(key);
+    if (name == "max_len") config.max_len = want_int(key);
+    if (name == "dim") config.dim = want_int(key);
+    if (name == "n_layers") config.n_layers = want_int(key);
+    if (name == "n_heads") config.n_heads = want_int(key);
+    if (name == "mlp_hidden") {
+      if (!values[key].is_null() && !is_int64(values[key])) throw wrong(key, "an int or null");
+      config.mlp_hidden = values[key].is_null() ? std::nullopt : std::optional<int64_t>(values[key].get<int64_t>());
+    }
+    if (name == "layer_norm_eps") config.layer_norm_eps = want_number(key);
+    if (name == "activation") {
+      if (!values[key].is_string()) throw wrong(key, "a string");
+      config.activation = values[key].get<std::string>();
+    }
+    if (name == "bias") config.bias = want_bool(key);
+    if (name == "tie_head") config.tie_head = want_bool(key);
+    if (name == "attn_dropout") config.attn_dropout = want_number(key);
+    if (name == "resid_dropout") config.resid_dropout = want_number(key);
+    if (name == "embd_dropout") config.embd_dropout = want_number(key);
+  }
+  if (legacy) {
+    if (!is_int64(values["mlp_ratio"])) throw wrong("mlp_ratio", "an int");
+    const auto ratio = values["mlp_ratio"].get<int64_t>();
+    if (ratio <= 0) throw FormatError(concat(source, ": mlp_ratio must be a positive int; got ", ratio));
+    int64_t hidden = 0;
+    if (ratio != 4 && __builtin_mul_overflow(ratio, config.dim, &hidden)) {
+      throw FormatError(concat(source, ": mlp_ratio x dim does not fit in 64 bits"));
+    }
+    if (ratio != 4) config.mlp_hidden = hidden;
+    if (!taken.empty()) {
+      std::cerr << "warning: " << source
+                << ": an older version's file (mlp_ratio); the options it lacks take that version's values: " << taken
+                << "\n";
+    }
   }
   try {
     config.validate();
@@ -338,6 +406,190 @@ GenerateResult GPTImpl::generate(const std::vector<std::vector<int64_t>>& prompt
 // ---------------------------------------------------------------------------------------------
 // Loading GPT.save's files
 
+namespace {
+
+struct TensorShape {
+  std::string name;
+  std::vector<int64_t> shape;  // a size of -1: factor x size leaves int64 (the tensor is too large)
+};
+
+// GPT(config)'s parameters without building it, in named_parameters' order (as checkpoints.py's
+// parameter_layout): before the blocks, one block's (names after "blocks.{i}."), after the blocks.
+struct Layout {
+  std::vector<TensorShape> before, block, after;
+};
+
+int64_t times(int64_t factor, int64_t size) {
+  int64_t out = 0;
+  return __builtin_mul_overflow(factor, size, &out) ? -1 : out;
+}
+
+Layout parameter_layout(const GPTConfig& c) {
+  const int64_t d = c.dim, h = c.mlp_hidden.value_or(times(4, c.dim));
+  const auto with_bias = [&](std::vector<TensorShape>& out, const std::string& name, std::vector<int64_t> shape) {
+    const int64_t rows = shape.front();
+    out.push_back({name + ".weight", std::move(shape)});
+    if (c.bias) out.push_back({name + ".bias", {rows}});
+  };
+  Layout layout;
+  layout.before = {{"tok.weight", {c.vocab_size, d}}, {"pos.weight", {c.max_len, d}}};
+  with_bias(layout.block, "ln1", {d});
+  with_bias(layout.block, "attn.qkv", {times(3, d), d});
+  with_bias(layout.block, "attn.proj", {d, d});
+  with_bias(layout.block, "ln2", {d});
+  with_bias(layout.block, "mlp.0", {h, d});
+  with_bias(layout.block, "mlp.2", {d, h});
+  with_bias(layout.after, "ln_f", {d});
+  if (!c.tie_head) layout.after.push_back({"head.weight", {c.vocab_size, d}});
+  return layout;
+}
+
+// Element count, or -1 when it (or a size) leaves int64.
+int64_t numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (const int64_t size : shape) {
+    if (size < 0 || __builtin_mul_overflow(n, size, &n)) return -1;
+  }
+  return n;
+}
+
+// A count in 64 bits that saturates: printed as checkpoints.py's _count_text prints it.
+struct Count {
+  uint64_t value = 0;
+  bool over = false;
+  Count& add(uint64_t n) {
+    over = over || __builtin_add_overflow(value, n, &value);
+    return *this;
+  }
+  Count times(uint64_t n) const {
+    Count out = *this;
+    out.over = out.over || __builtin_mul_overflow(value, n, &out.value);
+    return out;
+  }
+  std::string text() const { return over ? "more than 18446744073709551615" : std::to_string(value); }
+};
+
+// The layer index of "blocks.{i}.{rest}" (canonical decimal, below n_layers) and rest, or none.
+std::optional<std::pair<int64_t, std::string>> block_name(const std::string& name, int64_t n_layers) {
+  const std::string prefix = "blocks.";
+  if (name.rfind(prefix, 0) != 0) return std::nullopt;
+  const auto dot = name.find('.', prefix.size());
+  const auto digits = name.substr(prefix.size(), dot == std::string::npos ? std::string::npos : dot - prefix.size());
+  if (dot == std::string::npos || digits.empty() || digits.size() > 18 || (digits.size() > 1 && digits[0] == '0') ||
+      !std::all_of(digits.begin(), digits.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
+    return std::nullopt;
+  }
+  const int64_t index = std::stoll(digits);
+  if (index >= n_layers) return std::nullopt;
+  return std::pair(index, name.substr(dot + 1));
+}
+
+// Checks the file's header against config (checkpoints.py's check_header: the same rules, order and
+// messages); returns the model's dtype. Costs time and memory in the header's size only.
+at::ScalarType check_header(const GPTConfig& config, const SafetensorsFile& file, const std::string& config_source) {
+  const auto source = file.path().string();
+  const auto& entries = file.entries();  // sorted by name
+  for (const auto& [name, entry] : entries) {
+    if (!at::isFloatingType(entry.dtype)) {
+      throw FormatError(concat(source, ": tensor '", name, "' has dtype ", safetensors_dtype_name(entry.dtype),
+                               "; expected a floating dtype (F64, F32, F16 or BF16)"));
+    }
+  }
+  for (const auto& [name, entry] : entries) {
+    const auto& [first, first_entry] = *entries.begin();
+    if (entry.dtype != first_entry.dtype) {
+      throw FormatError(concat(source, ": tensors of different dtypes: '", first, "' is ",
+                               safetensors_dtype_name(first_entry.dtype), ", '", name, "' is ",
+                               safetensors_dtype_name(entry.dtype), " (every tensor must share one floating dtype)"));
+    }
+  }
+
+  const auto layout = parameter_layout(config);
+  for (const auto* part : {&layout.before, &layout.block, &layout.after}) {
+    for (const auto& tensor : *part) {
+      if (numel(tensor.shape) < 0) {
+        throw FormatError(concat(config_source, " describes tensors too large to address (tensor '", tensor.name, "')"));
+      }
+    }
+  }
+  std::map<std::string, const std::vector<int64_t>*> outside, per_block;
+  for (const auto* part : {&layout.before, &layout.after}) {
+    for (const auto& tensor : *part) outside[tensor.name] = &tensor.shape;
+  }
+  for (const auto& tensor : layout.block) per_block[tensor.name] = &tensor.shape;
+  const auto expected_shape = [&](const std::string& name) -> const std::vector<int64_t>* {
+    if (const auto found = outside.find(name); found != outside.end()) return found->second;
+    const auto in_block = block_name(name, config.n_layers);
+    if (!in_block.has_value()) return nullptr;
+    const auto found = per_block.find(in_block->second);
+    return found == per_block.end() ? nullptr : found->second;
+  };
+  // Calls visit(name) for the model's tensor names in order until it returns false.
+  const auto for_expected_names = [&](const auto& visit) {
+    for (const auto& tensor : layout.before) {
+      if (!visit(tensor.name)) return;
+    }
+    for (int64_t i = 0; i < config.n_layers; ++i) {
+      for (const auto& tensor : layout.block) {
+        if (!visit(concat("blocks.", i, ".", tensor.name))) return;
+      }
+    }
+    for (const auto& tensor : layout.after) {
+      if (!visit(tensor.name)) return;
+    }
+  };
+
+  std::vector<std::string> unexpected;
+  for (const auto& [name, _] : entries) {
+    if (expected_shape(name) == nullptr) unexpected.push_back(name);
+  }
+  if (!unexpected.empty()) {
+    throw FormatError(concat(source, ": unexpected tensor(s) ", listing(unexpected), " (not in the model that ",
+                             config_source, " describes)"));
+  }
+  // Every name in the file is expected: the missing ones are found within entries.size() + 9 names.
+  const auto n_layers = static_cast<uint64_t>(config.n_layers);
+  Count n_tensors = Count{per_block.size()}.times(n_layers);
+  n_tensors.add(outside.size());
+  if (n_tensors.over || entries.size() < n_tensors.value) {
+    std::vector<std::string> missing;
+    for_expected_names([&](const std::string& name) {
+      if (!file.contains(name)) missing.push_back(name);
+      return missing.size() < 9;
+    });
+    Count block_params;
+    for (const auto& tensor : layout.block) block_params.add(static_cast<uint64_t>(numel(tensor.shape)));
+    Count n_params = block_params.times(n_layers);
+    for (const auto* part : {&layout.before, &layout.after}) {
+      for (const auto& tensor : *part) n_params.add(static_cast<uint64_t>(numel(tensor.shape)));
+    }
+    uint64_t held = 0;
+    for (const auto& [_, entry] : entries) held += entry.end - entry.begin;
+    const auto dtype = entries.empty() ? at::kFloat : entries.begin()->second.dtype;
+    const Count needed = n_params.times(c10::elementSize(dtype));
+    if (needed.over || needed.value > held) {  // a config asking for more than the file holds (n_layers = 10**6, say)
+      throw FormatError(concat(config_source, " describes a model of ", n_params.text(), " parameters (", needed.text(),
+                               " bytes as ", safetensors_dtype_name(dtype), ") but ", source, " holds ", held,
+                               " bytes; missing tensor(s) ", listing(missing)));
+    }
+    throw FormatError(concat(source, ": missing tensor(s) ", listing(missing)));
+  }
+  // Now the file holds every name of the model and no other: a shape that differs is the only way
+  // left for it to hold fewer (or more) bytes than the model needs.
+  for_expected_names([&](const std::string& name) {
+    const auto& shape = entries.at(name).shape;
+    const auto* want = expected_shape(name);
+    if (shape != *want) {
+      throw FormatError(concat(source, ": tensor '", name, "' has shape ", shape_string(shape), "; the model (",
+                               config_source, ") expects ", shape_string(*want)));
+    }
+    return true;
+  });
+  return entries.begin()->second.dtype;
+}
+
+}  // namespace
+
 GPT load_gpt(const std::filesystem::path& directory) {
   const auto config_path = directory / "config.json";
   const auto weights_path = directory / "model.safetensors";
@@ -349,49 +601,21 @@ GPT load_gpt(const std::filesystem::path& directory) {
   std::ifstream in(config_path);
   std::stringstream text;
   text << in.rdbuf();
-  GPT model(GPTConfig::from_json(text.str(), config_path.string()));
-
+  const auto config = GPTConfig::from_json(text.str(), config_path.string());
+  // The header against the config before anything is allocated: a config that asks for more than
+  // the file holds is refused here, whatever its size.
   const SafetensorsFile file(weights_path);
-  const auto params = model->named_parameters();
-  std::vector<std::string> missing, unexpected;
-  for (const auto& param : params) {
-    if (!file.contains(param.key())) missing.push_back(param.key());
-  }
-  for (const auto& [name, _] : file.entries()) {
-    if (!params.contains(name)) unexpected.push_back(name);
-  }
-  const auto listing = [](const std::vector<std::string>& names) {
-    std::string out;
-    for (size_t i = 0; i < names.size() && i < 8; ++i) out += (i ? ", '" : "'") + names[i] + "'";
-    return names.size() > 8 ? out + " ..." : out;
-  };
-  if (!missing.empty()) throw FormatError(concat(weights_path.string(), ": missing tensor(s) ", listing(missing)));
-  if (!unexpected.empty()) {
-    throw FormatError(concat(weights_path.string(), ": unexpected tensor(s) ", listing(unexpected),
-                             " (not in the model that config.json describes)"));
-  }
-  // The model takes the dtype of its token embedding; every tensor must share it.
-  const auto dtype = file.entries().at("tok.weight").dtype;
-  for (const auto& param : params) {
-    const auto& entry = file.entries().at(param.key());
-    if (!at::isFloatingType(entry.dtype)) {
-      throw FormatError(concat(weights_path.string(), ": tensor '", param.key(), "' has dtype ",
-                               safetensors_dtype_name(entry.dtype), "; expected a floating-point dtype"));
-    }
-    if (entry.dtype != dtype) {
-      throw FormatError(concat(weights_path.string(), ": tensor '", param.key(), "' has dtype ",
-                               safetensors_dtype_name(entry.dtype), " but the model's dtype is ",
-                               safetensors_dtype_name(dtype), " (that of 'tok.weight')"));
-    }
-    if (at::IntArrayRef(entry.shape) != param.value().sizes()) {
-      throw FormatError(concat(weights_path.string(), ": tensor '", param.key(), "' has shape ",
-                               shape_string(entry.shape), "; the model (", config_path.string(), ") expects ",
-                               shape_string(param.value().sizes())));
-    }
-  }
+  const auto dtype = check_header(config, file, config_path.string());
+
+  GPT model(config);
   model->to(dtype);
   torch::NoGradGuard no_grad;
-  for (auto& param : model->named_parameters()) param.value().copy_(file.read(param.key()));
+  for (auto& param : model->named_parameters()) {
+    const auto value = file.read(param.key());
+    TORCH_CHECK(value.sizes() == param.value().sizes(), "load_gpt: parameter_layout disagrees with the model at '",
+                param.key(), "'");
+    param.value().copy_(value);
+  }
   model->eval();
   return model;
 }

@@ -11,6 +11,9 @@ from __future__ import annotations
 import copy
 import json
 import re
+import subprocess
+import sys
+import warnings
 from typing import Any
 
 import pytest
@@ -26,6 +29,7 @@ from causal_attention.checkpoints import (
     to_nanogpt_state_dict,
 )
 from causal_attention.gpt import GPT, GPTConfig
+from checkpoint_cases import CASES, write
 from conftest import mha_forward, rel_err
 
 transformers = pytest.importorskip("transformers")
@@ -696,7 +700,7 @@ def test_load_errors_name_the_file_or_tensor(tmp_path):
     good = load_file(str(weights))
 
     save_file({**good, "blocks.1.mlp.0.weight": good["blocks.1.mlp.0.weight"][:64].contiguous()}, str(weights))
-    with pytest.raises(CheckpointError, match=re.escape("blocks.1.mlp.0.weight has shape (64, 32)")):
+    with pytest.raises(CheckpointError, match=re.escape("tensor 'blocks.1.mlp.0.weight' has shape (64, 32)")):
         GPT.load(tmp_path)
 
     save_file({**good, "blocks.0.attn.rotary": torch.zeros(4)}, str(weights))
@@ -728,6 +732,73 @@ def test_demo_config_with_mlp_ratio_loads(tmp_path, ratio):
     save_model(model, str(tmp_path / "model.safetensors"))
     old = {"vocab_size": 37, "max_len": 24, "dim": 32, "n_layers": 2, "n_heads": 4, "mlp_ratio": ratio}
     (tmp_path / "config.json").write_text(json.dumps(old, indent=2))
-    back = GPT.load(tmp_path)
+    with pytest.warns(UserWarning, match=re.escape("the options it lacks take that version's values: layer_norm_eps=1e-05")):
+        back = GPT.load(tmp_path)
     assert back.config == config
     states_equal(back.state_dict(), model.state_dict())
+
+
+# ---------------------------------------------------------------------------------------------
+# The corpus of good and bad directories shared with C++ (tests/data/checkpoint_cases.json)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case["name"] for case in CASES])
+def test_checkpoint_corpus(tmp_path, case):
+    """Each case loads (with the warning it lists, or none) or is refused with a one-line error holding
+    every listed piece, as csrc/tests/test_gpt.cpp's LoadGPT.SharedCorpus checks load_gpt."""
+    written = write(case, tmp_path)
+    if "error" in case:
+        with pytest.raises(ValueError) as caught:
+            GPT.load(tmp_path)
+        message = str(caught.value)
+        assert "\n" not in message
+        for piece in case["error"]:
+            assert piece in message
+        return
+    with warnings.catch_warnings(record=True) as caught_warnings:
+        warnings.simplefilter("always")
+        model = GPT.load(tmp_path)
+    messages = [str(w.message) for w in caught_warnings]
+    if case["warning"]:
+        assert len(messages) == 1, messages
+        for piece in case["warning"]:
+            assert piece in messages[0]
+    else:
+        assert messages == []
+    states_equal(model.state_dict(), written)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(), dict(bias=False), dict(tie_head=False), dict(mlp_hidden=24), dict(bias=False, tie_head=False)],
+    ids=["default", "nobias", "untied", "hidden24", "nobias-untied"],
+)
+def test_parameter_layout_is_the_models(overrides):
+    from causal_attention.checkpoints import parameter_layout
+
+    config = GPTConfig(vocab_size=11, max_len=9, dim=8, n_layers=2, n_heads=2, **overrides)
+    before, block, after = parameter_layout(config)
+    names = before + [(f"blocks.{i}.{name}", shape) for i in range(config.n_layers) for name, shape in block] + after
+    assert names == [(name, tuple(t.shape)) for name, t in GPT(config).state_dict().items()]
+
+
+def test_huge_config_is_refused_fast_in_bounded_memory(tmp_path):
+    """n_layers = 10**6 beside a small file: `convert --from ours` (GPT.load) refuses it naming both
+    files, in a process whose address space is capped 1 GiB above what importing the package takes."""
+    case = next(case for case in CASES if case["name"] == "n_layers_huge")
+    write(case, tmp_path / "run")
+    code = f"""
+import resource, sys
+import causal_attention.checkpoints, safetensors.torch
+used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+resource.setrlimit(resource.RLIMIT_AS, (used + 2**30 if hard == resource.RLIM_INFINITY else min(used + 2**30, hard), hard))
+from causal_attention.cli import main
+main(["convert", "--from", "ours", {str(tmp_path / "run")!r}, "--out", {str(tmp_path / "out")!r}])
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert "config.json describes a model of 2224000688 parameters" in last, result.stderr[-2000:]
+    assert "MemoryError" not in result.stderr and "allocate" not in result.stderr
+    assert not (tmp_path / "out").exists()

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from causal_attention import demo
 from causal_attention.gpt import GPT, GPTConfig
+from checkpoint_cases import CASES, write
 
 PROGRAM = "causal-attention-generate"
 TOL = 1e-5  # float32 logits, relative to their scale (max |logit|, at least 1)
@@ -301,7 +302,29 @@ def test_mismatched_config_exits_2(saved: Path) -> None:
     (saved / "config.json").write_text(json.dumps({**config, "dim": 64}))
     expect_error("--model", str(saved), "--tokens", "1", contains=["'tok.weight'", "expects (40, 64)"])
     (saved / "config.json").write_text(json.dumps({**config, "n_kv_heads": 2}))
-    expect_error("--model", str(saved), "--tokens", "1", contains=["unknown option 'n_kv_heads'"])
+    expect_error("--model", str(saved), "--tokens", "1", contains=["unknown option(s) ['n_kv_heads']"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case["name"] for case in CASES])
+def test_checkpoint_corpus(tmp_path: Path, case: dict) -> None:
+    """The program on the corpus GPT.load and load_gpt are held to (tests/data/checkpoint_cases.json):
+    a refused directory exits 2 with the error's pieces on stderr; an accepted one generates, with
+    the warning's pieces on stderr (or nothing there)."""
+    write(case, tmp_path)
+    result = run("--model", str(tmp_path), "--tokens", "1,2", "--max-new-tokens", "2", check=False)
+    if "error" in case:
+        assert result.returncode == 2, (result.returncode, result.stderr)
+        for piece in case["error"]:
+            assert piece in result.stderr, result.stderr
+        return
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.splitlines()) == 1
+    if case["warning"]:
+        assert len(result.stderr.splitlines()) == 1, result.stderr
+        for piece in case["warning"]:
+            assert piece in result.stderr, result.stderr
+    else:
+        assert result.stderr == ""
 
 
 @pytest.mark.parametrize(

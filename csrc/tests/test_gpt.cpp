@@ -124,11 +124,16 @@ TEST(GPTConfig, JsonRoundTripAndStrictness) {
   const auto config = small_config(false, false);
   const auto back = GPTConfig::from_json(config.to_json());
   EXPECT_EQ(back.to_json(), config.to_json());
-  EXPECT_THROW(GPTConfig::from_json(R"({"vocab_size": 5, "max_len": 8, "colour": 1})"), FormatError);
-  EXPECT_THROW(GPTConfig::from_json(R"({"vocab_size": 5, "max_len": 8, "format": "other"})"), FormatError);
-  EXPECT_THROW(GPTConfig::from_json(R"({"vocab_size": 5, "max_len": 8, "dim": 10, "n_heads": 4})"), FormatError);
-  EXPECT_THROW(GPTConfig::from_json(R"({"vocab_size": 5, "max_len": 8, "bias": 1})"), FormatError);
-  EXPECT_THROW(GPTConfig::from_json(R"({"vocab_size": 5})"), FormatError);
+  const json written = json::parse(config.to_json());
+  json full = written;
+  for (const auto& [key, value] : written.items()) {
+    if (key == "format") continue;
+    json lacking = full;
+    lacking.erase(key);
+    EXPECT_THROW(GPTConfig::from_json(lacking.dump()), FormatError) << key;  // every option is required
+  }
+  full["colour"] = 1;
+  EXPECT_THROW(GPTConfig::from_json(full.dump()), FormatError);
   EXPECT_THROW(GPTConfig::from_json(R"({"vocab_size": 5, "max_len": )"), FormatError);
 }
 
@@ -347,7 +352,7 @@ TEST_F(CorruptFile, WrongDtype) {
   replace("ln_f.weight", torch::ones({config.dim}, torch::kFloat64));
   expect_load_error(dir.path, {"'ln_f.weight'", "F64", "F32"});
   replace("ln_f.weight", torch::ones({config.dim}, torch::kLong));
-  expect_load_error(dir.path, {"'ln_f.weight'", "I64", "floating-point"});
+  expect_load_error(dir.path, {"'ln_f.weight'", "I64", "floating dtype"});
 }
 
 TEST_F(CorruptFile, MissingTensor) {
@@ -424,9 +429,117 @@ TEST_F(CorruptFile, MismatchedConfig) {
   write_text(dir.path / "config.json", other.to_json());
   expect_load_error(dir.path, {"'tok.weight'", "shape (17, 16)", "expects (17, 32)"});
   write_text(dir.path / "config.json", R"({"vocab_size": 17, "max_len": 24, "layers": 2})");
-  expect_load_error(dir.path, {"config.json", "unknown option 'layers'"});
+  expect_load_error(dir.path, {"config.json", "unknown option(s) ['layers']"});
   fs::remove(dir.path / "config.json");
   expect_load_error(dir.path, {"config.json not found"});
+}
+
+}  // namespace
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// The corpus of good and bad directories shared with the Python tests (tests/data/checkpoint_cases.json;
+// tests/checkpoint_cases.py writes the same directories for GPT.load and the program).
+
+json checkpoint_corpus() {
+  return json::parse(read_bytes(fs::path(CA_TESTS_DATA_DIR) / "checkpoint_cases.json"));
+}
+
+torch::Dtype corpus_dtype(const std::string& name) {
+  const std::map<std::string, torch::Dtype> dtypes{
+      {"F64", torch::kFloat64}, {"F32", torch::kFloat32}, {"F16", torch::kFloat16}, {"BF16", torch::kBFloat16},
+      {"I64", torch::kLong}};
+  return dtypes.at(name);
+}
+
+// case's config.json and model.safetensors in dir (as checkpoint_cases.write does); returns the tensors.
+Tensors write_case(const json& corpus, const json& item, const fs::path& dir) {
+  const auto& base = corpus["base_config"];
+  std::string config_text;
+  if (item.contains("config_text")) {
+    config_text = item["config_text"].get<std::string>();
+  } else {
+    json config = base;
+    const auto edits = item.value("config", json::object());
+    const json set = edits.value("set", json::object()), remove = edits.value("remove", json::array());
+    for (const auto& [key, value] : set.items()) config[key] = value;
+    for (const auto& key : remove) config.erase(key.get<std::string>());
+    config_text = config.dump(2);
+  }
+  write_text(dir / "config.json", config_text);
+
+  auto model = random_model(GPTConfig::from_json(base.dump()), torch::kFloat32);
+  Tensors state = state_of(model);
+  const auto spec = item.value("tensors", json::object());
+  const auto find = [&](const std::string& name) -> torch::Tensor& {
+    for (auto& [key, tensor] : state) {
+      if (key == name) return tensor;
+    }
+    throw std::out_of_range("no tensor " + name);
+  };
+  if (spec.contains("all_dtype")) {
+    for (auto& [_, tensor] : state) tensor = tensor.to(corpus_dtype(spec["all_dtype"]));
+  }
+  // (each part copied out first: a range-for over a temporary's items() would dangle)
+  const json dtypes = spec.value("dtype", json::object()), shapes = spec.value("shape", json::object());
+  const json removed = spec.value("remove", json::array()), added_tensors = spec.value("add", json::object());
+  for (const auto& [name, dtype] : dtypes.items()) {
+    find(name) = find(name).to(corpus_dtype(dtype));
+  }
+  for (const auto& [name, shape] : shapes.items()) {
+    find(name) = torch::zeros(shape.get<std::vector<int64_t>>(), find(name).options());
+  }
+  for (const auto& name : removed) {
+    std::erase_if(state, [&](const auto& entry) { return entry.first == name.get<std::string>(); });
+  }
+  for (const auto& [name, added] : added_tensors.items()) {
+    state.emplace_back(name, torch::zeros(added["shape"].get<std::vector<int64_t>>(), corpus_dtype(added["dtype"])));
+  }
+  causal_attention::save_safetensors(dir / "model.safetensors", state, {{"format", "causal_attention.gpt"}});
+  return state;
+}
+
+// Each case loads (with the warning it lists on stderr, or none) or is refused with a one-line
+// FormatError holding every listed piece, as tests/test_checkpoints.py checks GPT.load.
+TEST(LoadGPT, SharedCorpus) {
+  const auto corpus = checkpoint_corpus();
+  ASSERT_GE(corpus["cases"].size(), 40u);
+  for (const auto& item : corpus["cases"]) {
+    const auto name = item["name"].get<std::string>();
+    SCOPED_TRACE(name);
+    TempDir dir;
+    const auto written = write_case(corpus, item, dir.path);
+    ::testing::internal::CaptureStderr();
+    std::optional<GPT> model;
+    std::string error;
+    try {
+      model = causal_attention::load_gpt(dir.path);
+    } catch (const FormatError& e) {
+      error = e.what();
+    }
+    const auto warnings = ::testing::internal::GetCapturedStderr();
+    if (item.contains("error")) {
+      EXPECT_FALSE(model.has_value()) << "loaded; expected an error";
+      EXPECT_EQ(error.find('\n'), std::string::npos) << error;
+      for (const auto& piece : item["error"]) {
+        EXPECT_NE(error.find(piece.get<std::string>()), std::string::npos) << error << "\n  lacks: " << piece;
+      }
+      continue;
+    }
+    ASSERT_TRUE(model.has_value()) << error;
+    if (item["warning"].empty()) {
+      EXPECT_EQ(warnings, "");
+    } else {
+      EXPECT_EQ(std::count(warnings.begin(), warnings.end(), '\n'), 1) << warnings;
+      for (const auto& piece : item["warning"]) {
+        EXPECT_NE(warnings.find(piece.get<std::string>()), std::string::npos) << warnings << "\n  lacks: " << piece;
+      }
+    }
+    const auto params = (*model)->named_parameters();
+    ASSERT_EQ(params.size(), written.size());
+    for (const auto& [key, tensor] : written) EXPECT_TRUE(torch::equal(params[key], tensor)) << key;
+  }
 }
 
 }  // namespace

@@ -48,9 +48,11 @@ struct GPTConfig {
   int64_t hidden() const { return mlp_hidden.value_or(4 * dim); }
   // Every field checked as GPTConfig.__post_init__ does; a std::invalid_argument naming the field.
   void validate() const;
-  // From config.json's text: strict (an unknown key, a wrong type or a "format" other than
-  // "causal_attention.gpt" is a FormatError naming it; missing keys take the defaults above, and
-  // vocab_size and max_len are required). `source` names the file in messages.
+  // From config.json's text, by gpt.py's GPTConfig.from_dict rules: an unknown key, a missing one,
+  // a JSON type other than the field's (true or 2.0 for an int) or a "format" other than
+  // "causal_attention.gpt" is a FormatError naming `source` and the key. An older version's file
+  // (the demo's, with mlp_ratio) is read as that version's model: the options it lacks take the
+  // defaults above, named in a warning on stderr.
   static GPTConfig from_json(const std::string& text, const std::string& source = "config.json");
   std::string to_json() const;
 };
@@ -135,8 +137,10 @@ class GPTImpl : public torch::nn::Module {
 TORCH_MODULE(GPT);
 
 // The model GPT.save (or the demo) wrote into directory: config.json + model.safetensors. The
-// weights are checked strictly: every tensor present, none unexpected, each of the model's shape,
-// all of one floating dtype (the model's dtype); a FormatError names the file and the tensor.
+// file's header is checked against the config before the model is built (as GPT.load does, with
+// the same messages): all tensors of one floating dtype (the model's), none unexpected, no more
+// bytes asked for than the file holds, none missing, each of the model's shape; a FormatError
+// names the file and the tensor.
 GPT load_gpt(const std::filesystem::path& directory);
 
 }  // namespace causal_attention
