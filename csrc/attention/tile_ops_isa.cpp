@@ -214,38 +214,27 @@ constexpr float kMinArg = -87.3365478515625f;  // the float just below ln(FLT_MI
 }  // namespace exp_poly
 
 inline Vec<float> exp_vec(const Vec<float>& x) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   using namespace exp_poly;
+  using at::vec::fmadd;
+  using at::vec::fnmadd;
+  const Vec<float> n = (x * Vec<float>(kLog2e)).round();  // to nearest, ties to even
+  const Vec<float> r = fnmadd(n, Vec<float>(kLn2Lo), fnmadd(n, Vec<float>(kLn2Hi), x));
+  Vec<float> p = fmadd(r, Vec<float>(kP5), Vec<float>(kP4));
+  for (const float c : {kP3, kP2, kP1, kP0}) {
+    p = fmadd(r, p, Vec<float>(c));
+  }
+  p = fmadd(p, r * r, r) + Vec<float>(1.0f);
 #if defined(CPU_CAPABILITY_AVX512)
-  const __m512 v = x;
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), v);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
-  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(kP5), _mm512_set1_ps(kP4));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(kP3));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(kP2));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(kP1));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(kP0));
-  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  const __mmask16 normal = _mm512_cmp_ps_mask(v, _mm512_set1_ps(kMinArg), _CMP_NLE_UQ);  // e^x >= FLT_MIN, or NaN
+  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kMinArg), _CMP_NLE_UQ);  // e^x >= FLT_MIN, or NaN
   return _mm512_maskz_scalef_ps(normal, p, n);
-#elif defined(CPU_CAPABILITY_AVX2)
-  const __m256 v = x;
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), v);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
-  __m256 p = _mm256_fmadd_ps(r, _mm256_set1_ps(kP5), _mm256_set1_ps(kP4));
-  p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(kP3));
-  p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(kP2));
-  p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(kP1));
-  p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(kP0));
-  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+#else
   // 2^n in the exponent field: n is in [-126, 127] wherever the lane is kept (the product is exact
   // scaling, as vscalefps, down to the denormals of n = -126).
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 scaled = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-  const __m256 normal = _mm256_cmp_ps(v, _mm256_set1_ps(kMinArg), _CMP_NLE_UQ);  // e^x >= FLT_MIN, or NaN
-  return _mm256_and_ps(normal, scaled);
+  const __m256 normal = _mm256_cmp_ps(x, _mm256_set1_ps(kMinArg), _CMP_NLE_UQ);  // e^x >= FLT_MIN, or NaN
+  return _mm256_and_ps(normal, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+#endif
 #else
   return x.exp_u20();  // std::exp lane by lane
 #endif
