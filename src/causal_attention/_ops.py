@@ -40,9 +40,8 @@ class _AttentionFunction(torch.autograd.Function):
     """attention_forward's autograd: the fused backward (attention_backward) from the saved lse.
 
     A torch.autograd.Function with setup_context and a generated vmap rule, so that torch.func
-    transforms (grad, vjp, jacrev, vmap, and forward mode: jvp, jacfwd, hessian) compose with it (an op's
-    own Autograd kernel would not). Forward mode differentiates the reference, which materialises the
-    (B, H, T, T) weights, as the double backward does.
+    transforms (grad, vjp, jacrev, vmap) compose with it (an op's own Autograd kernel would not).
+    Forward mode is _ForwardModeAttention's (eager only: Dynamo refuses a Function with a jvp).
     """
 
     generate_vmap_rule = True  # forward and backward call ops with vmap rules (_register_vmap)
@@ -58,7 +57,6 @@ class _AttentionFunction(torch.autograd.Function):
         qkv, mask, n_heads, dropout_p, seed = inputs
         out, lse = output
         ctx.save_for_backward(qkv, mask, out, lse, seed)
-        ctx.save_for_forward(qkv, mask, seed)
         ctx.n_heads = n_heads
         ctx.dropout_p = dropout_p
         ctx.mark_non_differentiable(lse)
@@ -68,14 +66,6 @@ class _AttentionFunction(torch.autograd.Function):
         qkv, mask, out, lse, seed = ctx.saved_tensors
         grad_qkv = _AttentionBackwardFunction.apply(grad_out, qkv, mask, out, lse, ctx.n_heads, ctx.dropout_p, seed)
         return grad_qkv, None, None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, qkv_t: Tensor | None, *_: Any) -> tuple[Tensor | None, None]:  # type: ignore[override]
-        qkv, mask, seed = ctx.saved_tensors
-        if qkv_t is None:
-            return None, None
-        core = _reference_core(qkv, mask, ctx.n_heads, ctx.dropout_p, seed)
-        return torch.func.jvp(core, (qkv,), (qkv_t,))[1], None
 
 
 class _AttentionBackwardFunction(torch.autograd.Function):
@@ -99,7 +89,6 @@ class _AttentionBackwardFunction(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
         grad_out, qkv, mask, _out, _lse, n_heads, dropout_p, seed = inputs
         ctx.save_for_backward(grad_out, qkv, mask, seed)
-        ctx.save_for_forward(grad_out, qkv, mask, seed)
         ctx.n_heads = n_heads
         ctx.dropout_p = dropout_p
 
@@ -110,16 +99,6 @@ class _AttentionBackwardFunction(torch.autograd.Function):
         _, vjp2 = torch.func.vjp(first_grad, grad_out, qkv)
         d_grad_out, d_qkv = vjp2(grad_grad_qkv)
         return d_grad_out, d_qkv, None, None, None, None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, grad_out_t: Tensor | None, qkv_t: Tensor | None, *_: Any) -> Tensor | None:  # type: ignore[override]
-        grad_out, qkv, mask, seed = ctx.saved_tensors  # out and lse are functions of qkv: their part is in qkv's
-        if grad_out_t is None and qkv_t is None:
-            return None
-        first_grad = _reference_first_grad(qkv, mask, ctx.n_heads, ctx.dropout_p, seed)
-        tangents = (torch.zeros_like(grad_out) if grad_out_t is None else grad_out_t,
-                    torch.zeros_like(qkv) if qkv_t is None else qkv_t)
-        return torch.func.jvp(first_grad, (grad_out, qkv), tangents)[1]
 
 
 def _reference_core(qkv: Tensor, mask: Tensor | None, n_heads: int, dropout_p: float,
@@ -144,6 +123,53 @@ def _reference_first_grad(qkv: Tensor, mask: Tensor | None, n_heads: int, dropou
     return first_grad
 
 
+class _ForwardModeAttentionBackward(_AttentionBackwardFunction):
+    """_AttentionBackwardFunction with forward mode (hessian = jacfwd(jacrev)): the reference's."""
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _AttentionBackwardFunction.setup_context(ctx, inputs, output)
+        grad_out, qkv, mask, _out, _lse, _n_heads, _dropout_p, seed = inputs
+        ctx.save_for_forward(grad_out, qkv, mask, seed)
+
+    @staticmethod
+    def jvp(ctx: Any, grad_out_t: Tensor | None, qkv_t: Tensor | None, *_: Any) -> Tensor | None:  # type: ignore[override]
+        grad_out, qkv, mask, seed = ctx.saved_tensors  # out and lse are functions of qkv: their part is in qkv's
+        if grad_out_t is None and qkv_t is None:
+            return None
+        first_grad = _reference_first_grad(qkv, mask, ctx.n_heads, ctx.dropout_p, seed)
+        tangents = (torch.zeros_like(grad_out) if grad_out_t is None else grad_out_t,
+                    torch.zeros_like(qkv) if qkv_t is None else qkv_t)
+        return torch.func.jvp(first_grad, (grad_out, qkv), tangents)[1]
+
+
+class _ForwardModeAttention(_AttentionFunction):
+    """_AttentionFunction with forward mode (jvp, jacfwd, hessian), which differentiates the reference
+    (it materialises the (B, H, T, T) weights, as the double backward does). Used in eager code only:
+    Dynamo does not trace a Function that defines jvp (torch.compile and torch.export take the parent)."""
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+        _AttentionFunction.setup_context(ctx, inputs, output)
+        qkv, mask, _n_heads, _dropout_p, seed = inputs
+        ctx.save_for_forward(qkv, mask, seed)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]
+        qkv, mask, out, lse, seed = ctx.saved_tensors
+        grad_qkv = _ForwardModeAttentionBackward.apply(grad_out, qkv, mask, out, lse, ctx.n_heads, ctx.dropout_p,
+                                                       seed)
+        return grad_qkv, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, qkv_t: Tensor | None, *_: Any) -> tuple[Tensor | None, None]:  # type: ignore[override]
+        qkv, mask, seed = ctx.saved_tensors
+        if qkv_t is None:
+            return None, None
+        core = _reference_core(qkv, mask, ctx.n_heads, ctx.dropout_p, seed)
+        return torch.func.jvp(core, (qkv,), (qkv_t,))[1], None
+
+
 def draw_seed() -> Tensor:
     """A dropout seed: a 0-d int64 tensor from torch's default CPU generator (torch.manual_seed
     reproduces it; torch.compile traces it as graph randomness)."""
@@ -162,7 +188,8 @@ def attention(
     """
     if dropout_p > 0 and seed is None:
         seed = draw_seed()
-    out, _lse = _AttentionFunction.apply(qkv, key_padding_mask, n_heads, dropout_p, seed if dropout_p > 0 else None)
+    function = _AttentionFunction if torch.compiler.is_compiling() else _ForwardModeAttention
+    out, _lse = function.apply(qkv, key_padding_mask, n_heads, dropout_p, seed if dropout_p > 0 else None)
     return out
 
 
