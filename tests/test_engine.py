@@ -87,3 +87,21 @@ def test_empty_inputs(backend):
             cache = attn.make_cache(2, 4)
             assert attn(torch.randn(2, 0, 8), cache=cache).shape == (2, 0, 8)
             assert cache.lengths.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("hd", [1, 3, 15, 16])
+def test_narrow_float32_heads_are_computed_in_float64(hd: int) -> None:
+    """Float32 heads narrower than a panel (16) run in float64 and round once (flash.cpp): forward
+    and backward equal the float64 kernel's results rounded to float32, bit for bit; 16 stays float32."""
+    B, T, H = 2, 37, 3
+    qkv = torch.randn(B, T, 3 * H * hd) * 4
+    mask = torch.arange(T)[None, :] >= torch.tensor([[0], [6]])
+    g = torch.randn(B, T, H * hd)
+    ops = torch.ops.causal_attention
+    out, lse = ops.attention_forward(qkv, mask, H)
+    out64, lse64 = ops.attention_forward(qkv.double(), mask, H)
+    grad = ops.attention_backward(g, qkv, mask, out, lse, H)
+    grad64 = ops.attention_backward(g.double(), qkv.double(), mask, out.double(), lse.double(), H)
+    assert out.dtype == lse.dtype == grad.dtype == torch.float32
+    same = [torch.equal(out, out64.float()), torch.equal(lse, lse64.float()), torch.equal(grad, grad64.float())]
+    assert same == [hd < 16] * 3

@@ -561,6 +561,13 @@ std::optional<at::Tensor> contiguous_mask(const std::optional<at::Tensor>& mask)
   return mask.has_value() ? std::optional<at::Tensor>(mask->contiguous()) : std::nullopt;
 }
 
+// A float32 head narrower than a panel sums each output over one or a few lanes, further from exact
+// than BLAS's many; dS = P (dP - dO . O) turns the forward's drift into a bias of dK and dQ that weight
+// gradients sum over T. Such heads are cheap, so float32 computes them in float64 and rounds once.
+bool computes_in_float64(const at::Tensor& qkv, int64_t n_heads) {
+  return qkv.scalar_type() == at::kFloat && qkv.size(2) / (3 * n_heads) < tile::kPanel;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& qkv_in,
@@ -568,6 +575,10 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& qkv_i
                                                          int64_t n_heads, double dropout_p,
                                                          const std::optional<at::Tensor>& seed) {
   check_cpu_inputs(qkv_in, mask_in, n_heads);
+  if (computes_in_float64(qkv_in, n_heads)) {
+    auto [out, lse] = attention_forward_cpu(qkv_in.to(at::kDouble), mask_in, n_heads, dropout_p, seed);
+    return {out.to(at::kFloat), lse.to(at::kFloat)};
+  }
   const auto drop = dropout_of(dropout_p, seed);
   const auto qkv = blas_rows(qkv_in);
   const auto mask = contiguous_mask(mask_in);
@@ -589,6 +600,11 @@ at::Tensor attention_backward_cpu(const at::Tensor& grad_out_in, const at::Tenso
                                   const at::Tensor& lse, int64_t n_heads, double dropout_p,
                                   const std::optional<at::Tensor>& seed) {
   check_cpu_inputs(qkv_in, mask_in, n_heads);
+  if (computes_in_float64(qkv_in, n_heads)) {
+    return attention_backward_cpu(grad_out_in.to(at::kDouble), qkv_in.to(at::kDouble), mask_in,
+                                  out.to(at::kDouble), lse.to(at::kDouble), n_heads, dropout_p, seed)
+        .to(at::kFloat);
+  }
   const auto drop = dropout_of(dropout_p, seed);
   const auto qkv = blas_rows(qkv_in);
   const auto mask = contiguous_mask(mask_in);

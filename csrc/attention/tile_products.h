@@ -318,34 +318,6 @@ void score_product(const Operand<scalar_t>& a, const scalar_t* b, int64_t ld_b, 
   blas::gemm(false, true, rows, cols, hd, acc_t(1), a.x, a.ld, b, ld_b, acc_t(0), s, ld_s);
 }
 
-// Products whose columns are the head (P V, P^T dO, dS K, dS^T Q) sum keys or queries, k up to a block
-// of them. The micro-kernel sums each output in one chain of k fused multiply-adds, as BLAS's GEMM does
-// for a head as wide as a panel; for a narrower one BLAS sums in many lanes, and one chain over a key
-// block drifted further: at head_dim 1 the forward's O was up to 4x further from exact than SDPA's, and
-// dS = P (dP - dO . O) made that a bias of dK and dQ. Narrow products are summed in blocks of
-// kNarrowSumBlock (each from 0 by the micro-kernel, then added in order). (Blocks in the micro-kernel
-// itself cost the wide products 10-47%; they stay one chain, matched by BLAS and fma_dots.)
-inline constexpr int64_t kNarrowSumBlock = 8;
-
-inline void narrow_panel_product(int64_t m, int64_t n, int64_t k, const float* a, int64_t rs_a, int64_t cs_a,
-                                 const Panels<float>& panels, bool accumulate, float* c, int64_t ldc) {
-  constexpr int64_t kMaxRows = 256;  // above the tallest product (kBlockQ, kBwdBlockK rows)
-  TORCH_INTERNAL_ASSERT(m <= kMaxRows && n < tile::kPanel, "narrow_panel_product: ", m, " x ", n);
-  float block[kMaxRows * tile::kPanel];
-  const auto& ops = tile::tile_ops<float>();
-  for (int64_t k0 = 0; k0 < k || (k0 == 0 && !accumulate); k0 += kNarrowSumBlock) {
-    const int64_t kb = std::min(kNarrowSumBlock, k - k0);
-    ops.panel_gemm(m, n, kb, a + k0 * cs_a, rs_a, cs_a, panels.data + k0 * tile::kPanel, tile::kPanel,
-                   panels.k * tile::kPanel, false, block, n);
-    const bool add = accumulate || k0 > 0;
-    for (int64_t i = 0; i < m; ++i) {
-      for (int64_t j = 0; j < n; ++j) {
-        c[i * ldc + j] = add ? c[i * ldc + j] + block[i * n + j] : block[i * n + j];
-      }
-    }
-  }
-}
-
 // c (m x n, acc_t, ldc) = op(a) . b, or c += op(a) . b when accumulate. op(a) is m x k (a stored k x m
 // when trans_a, its leading dimensions either way); b is k x n row-major (ld_b): values, keys, queries
 // or dO, on a micro-kernel from its row_panels (when packed: the first k rows of them), else BLAS.
@@ -366,13 +338,8 @@ void row_product(bool trans_a, int64_t m, int64_t n, int64_t k, const Operand<sc
   if constexpr (std::is_same_v<acc_t, float>) {
     if (panels.data != nullptr) {
       TORCH_INTERNAL_ASSERT(a.wide != nullptr, "row_product: packed panels need the left operand in float32");
-      const int64_t rs_a = trans_a ? 1 : a.ld_wide, cs_a = trans_a ? a.ld_wide : 1;
-      if (n < tile::kPanel) {
-        narrow_panel_product(m, n, k, a.wide, rs_a, cs_a, panels, accumulate, c, ldc);
-      } else {
-        tile::tile_ops<float>().panel_gemm(m, n, k, a.wide, rs_a, cs_a, panels.data, tile::kPanel,
-                                           panels.k * tile::kPanel, accumulate, c, ldc);
-      }
+      tile::tile_ops<float>().panel_gemm(m, n, k, a.wide, trans_a ? 1 : a.ld_wide, trans_a ? a.ld_wide : 1,
+                                         panels.data, tile::kPanel, panels.k * tile::kPanel, accumulate, c, ldc);
       return;
     }
   }
