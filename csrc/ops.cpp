@@ -133,9 +133,11 @@ at::Tensor attention_meta(const at::Tensor& qkv, const OptionalTensor& /*mask*/,
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_meta(const at::Tensor& qkv, const OptionalTensor& mask,
                                                           int64_t n_heads, double dropout_p, const OptionalTensor& seed) {
-  const auto lse_dtype = qkv.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  return {attention_meta(qkv, mask, n_heads, dropout_p, seed),
-          at::empty_symint({qkv.sym_size(0), c10::SymInt(n_heads), qkv.sym_size(1)}, qkv.options().dtype(lse_dtype))};
+  auto out = attention_meta(qkv, mask, n_heads, dropout_p, seed);  // checks n_heads and qkv's rank
+  const int64_t head_dim = qkv.sym_size(2).guard_int(__FILE__, __LINE__) / (3 * n_heads);
+  const bool wide = qkv.scalar_type() == at::kDouble || tile::computes_in_float64(qkv.scalar_type(), head_dim);
+  return {out, at::empty_symint({qkv.sym_size(0), c10::SymInt(n_heads), qkv.sym_size(1)},
+                                qkv.options().dtype(wide ? at::kDouble : at::kFloat))};
 }
 
 at::Tensor attention_backward_meta(const at::Tensor& /*grad_out*/, const at::Tensor& qkv, const OptionalTensor& /*mask*/,

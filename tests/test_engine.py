@@ -91,8 +91,9 @@ def test_empty_inputs(backend):
 
 @pytest.mark.parametrize("hd", [1, 3, 15, 16])
 def test_narrow_float32_heads_are_computed_in_float64(hd: int) -> None:
-    """Float32 heads narrower than a panel (16) run in float64 and round once (flash.cpp): forward
-    and backward equal the float64 kernel's results rounded to float32, bit for bit; 16 stays float32."""
+    """Float32 heads narrower than a panel (16) run in float64 and round once (flash.cpp): out and
+    grad_qkv equal the float64 kernel's rounded to float32 bit for bit, and lse stays float64, in the
+    meta kernel too; head_dim 16 stays float32."""
     B, T, H = 2, 37, 3
     qkv = torch.randn(B, T, 3 * H * hd) * 4
     mask = torch.arange(T)[None, :] >= torch.tensor([[0], [6]])
@@ -102,6 +103,8 @@ def test_narrow_float32_heads_are_computed_in_float64(hd: int) -> None:
     out64, lse64 = ops.attention_forward(qkv.double(), mask, H)
     grad = ops.attention_backward(g, qkv, mask, out, lse, H)
     grad64 = ops.attention_backward(g.double(), qkv.double(), mask, out.double(), lse.double(), H)
-    assert out.dtype == lse.dtype == grad.dtype == torch.float32
-    same = [torch.equal(out, out64.float()), torch.equal(lse, lse64.float()), torch.equal(grad, grad64.float())]
+    assert out.dtype == grad.dtype == torch.float32
+    assert lse.dtype == (torch.float64 if hd < 16 else torch.float32)  # the backward's P from an exact lse
+    assert ops.attention_forward(qkv.to("meta"), mask.to("meta"), H)[1].dtype == lse.dtype  # export traces it
+    same = [torch.equal(out, out64.float()), torch.equal(lse.double(), lse64), torch.equal(grad, grad64.float())]
     assert same == [hd < 16] * 3

@@ -561,11 +561,8 @@ std::optional<at::Tensor> contiguous_mask(const std::optional<at::Tensor>& mask)
   return mask.has_value() ? std::optional<at::Tensor>(mask->contiguous()) : std::nullopt;
 }
 
-// A float32 head narrower than a panel sums each output over one or a few lanes, further from exact
-// than BLAS's many; dS = P (dP - dO . O) turns the forward's drift into a bias of dK and dQ that weight
-// gradients sum over T. Such heads are cheap, so float32 computes them in float64 and rounds once.
 bool computes_in_float64(const at::Tensor& qkv, int64_t n_heads) {
-  return qkv.scalar_type() == at::kFloat && qkv.size(2) / (3 * n_heads) < tile::kPanel;
+  return tile::computes_in_float64(qkv.scalar_type(), qkv.size(2) / (3 * n_heads));
 }
 
 }  // namespace
@@ -577,7 +574,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& qkv_i
   check_cpu_inputs(qkv_in, mask_in, n_heads);
   if (computes_in_float64(qkv_in, n_heads)) {
     auto [out, lse] = attention_forward_cpu(qkv_in.to(at::kDouble), mask_in, n_heads, dropout_p, seed);
-    return {out.to(at::kFloat), lse.to(at::kFloat)};
+    return {out.to(at::kFloat), lse};
   }
   const auto drop = dropout_of(dropout_p, seed);
   const auto qkv = blas_rows(qkv_in);

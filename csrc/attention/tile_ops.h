@@ -12,6 +12,7 @@
 #pragma once
 
 #include <ATen/OpMathType.h>
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -26,6 +27,13 @@ inline constexpr int64_t kNoCausal = std::numeric_limits<int64_t>::max() / 2;
 
 // Columns per panel of panel_gemm's B operand.
 inline constexpr int64_t kPanel = 16;
+
+// A float32 head narrower than a panel sums each output over one or a few lanes, further from exact
+// than BLAS's many; dS = P (dP - dO . O) turns the forward's drift into a bias of dK and dQ that weight
+// gradients sum over T. Such heads are cheap: float32 computes them in float64 and keeps lse in float64.
+inline bool computes_in_float64(c10::ScalarType dtype, int64_t head_dim) {
+  return dtype == c10::ScalarType::Float && head_dim < kPanel;
+}
 
 template <typename scalar_t>
 struct TileOps {
