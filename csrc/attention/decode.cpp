@@ -25,7 +25,7 @@
 #include "blas.h"
 #include "linear.h"
 #include "schedule.h"
-#include "tile_ops.h"
+#include "cpu/tile_ops.h"
 #include "tile_products.h"
 
 namespace causal_attention::kernels {

@@ -28,7 +28,7 @@
 #include "causal_attention/attention.h"
 #include "philox.h"
 #include "schedule.h"
-#include "tile_ops.h"
+#include "cpu/tile_ops.h"
 #include "tile_products.h"
 
 namespace causal_attention::kernels {

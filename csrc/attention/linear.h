@@ -12,7 +12,7 @@
 #include <algorithm>
 #include <optional>
 
-#include "tile_ops.h"
+#include "cpu/tile_ops.h"
 
 namespace causal_attention::kernels {
 
