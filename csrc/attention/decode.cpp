@@ -23,7 +23,7 @@
 
 #include "causal_attention/attention.h"
 #include "blas.h"
-#include "linear.h"
+#include "linear/few_rows.h"
 #include "schedule.h"
 #include "cpu/tile_ops.h"
 #include "tile_products.h"

@@ -6,7 +6,7 @@
 #include <ATen/Dispatch.h>
 
 #include "causal_attention/attention.h"
-#include "linear.h"
+#include "linear/few_rows.h"
 
 namespace causal_attention::kernels {
 namespace {
