@@ -23,6 +23,7 @@
 
 #include "causal_attention/attention.h"
 #include "blas.h"
+#include "config.h"
 #include "linear/few_rows.h"
 #include "schedule.h"
 #include "cpu/tile_ops.h"
@@ -31,23 +32,11 @@
 namespace causal_attention::kernels {
 namespace {
 
-constexpr int64_t kDecodeChunk = 256;  // keys per tile, and the unit of a context's split
-// Bytes of keys and values per decode_chunk call of a few queries (each call passes over its keys,
-// then over its values: fewer, longer calls switch between the two streams less often). Float32,
-// B=8, ctx 2048, 12 heads of 64, 2 threads, op / torch.sum over K and V (medians of 25 interleaved
-// rounds, two processes): 1024 keys a call (512 KB) 0.972 / 1.046, 2048 keys 0.974 / 1.045, 512
-// keys 1.005 / 1.045. (When each call's values were prefetched into L2 during its key pass, the
-// calls had to fit L2: 0.81 with 2048 keys against 0.88-0.91 with 1024.)
-constexpr int64_t kDecodeStreamBytes = 512 * 1024;
-
 // Keys per decode_chunk call: kDecodeStreamBytes of keys and values, and at least a tile's.
 inline int64_t stream_keys(int64_t hd, int64_t itemsize) {
   return std::max(kDecodeChunk, kDecodeStreamBytes / (2 * std::max<int64_t>(hd, 1) * itemsize));
 }
-constexpr int64_t kDecodeRows = 64;    // new queries per tile
-constexpr int64_t kDecodeFewRows = 16;  // up to this many new queries: row-wise streaming, no GEMM
-constexpr int64_t kDecodeItems = 64;    // few new queries: split contexts until B * H * splits reaches this
-constexpr int64_t kLine = 64;           // bytes per cache line
+constexpr int64_t kLine = 64;  // bytes per cache line
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
 void check_cache(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,

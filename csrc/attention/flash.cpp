@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "blas.h"
+#include "config.h"
 #include "causal_attention/attention.h"
 #include "philox.h"
 #include "schedule.h"
