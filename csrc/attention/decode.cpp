@@ -442,14 +442,7 @@ at::Tensor decode_layer_cpu(const at::Tensor& x_in, const at::Tensor& qkv_weight
   }
   const int64_t* e = end.data();
   // The steps of few_rows_linear_cpu, kv_cache_write_cpu and decode_attention_cpu, each a parallel
-  // pass of its own, in one op call. (Each head's projection had been a work item of the
-  // attention's pass, one head ahead of that head's attention items, so that one thread's
-  // projection overlapped another's streaming of the cache: float32, B=8, 12 heads of 64, 2
-  // threads, medians of 40 interleaved calls each after a 64 MB read, the steps one after the other
-  // took the same time at context 2048 (4 processes, within 1.5% either way) and less at context 16,
-  // 0.46-0.53 ms against 0.56-0.62, where the items had cut the projection's stream into 36 pieces.
-  // A thread out of items had also prefetched its share of the output projection's weight, 1.2 MB
-  // into a 1 MB L2: without it, 0.03-0.1 ms less at context 2048 and 0.06 less at context 16.)
+  // pass of its own (so that each streams its weight or cache unbroken), in one op call.
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x_in.scalar_type(), "decode_layer", [&] {
     // (The pass, whose state it allocates, is made before the cache is written: nothing is written
     // where that fails.)

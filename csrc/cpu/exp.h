@@ -10,8 +10,8 @@ namespace causal_attention::tile::CPU_CAPABILITY {
 // same bits in the AVX2 and AVX512 builds (DEFAULT: std::exp): x = n ln2 + r with |r| <= ln2 / 2 (ln2
 // in two parts, Cody and Waite), e^r by Cephes' expf polynomial, times 2^n; 0 at and below ln(FLT_MIN),
 // so that no denormal reaches a product; NaN stays NaN (+inf gives NaN). Within 1 ulp of exp over
-// [-87.3, 0], where at::vec's exp_u20 is 20 ulp off and its polynomial alone 2 ulp (enough to move a
-// float32 fuzz draw's weight gradient from 1.04x to 2.08x its tolerance). exp(0) = 1 exactly (a row of
+// [-87.3, 0], where at::vec's exp_u20 is 20 ulp off and its polynomial alone 2 ulp (enough to push
+// float32 gradients past the tests' tolerance). exp(0) = 1 exactly (a row of
 // one key has P = 1).
 namespace exp_poly {
 constexpr float kLog2e = 1.44269504088896341f;

@@ -97,8 +97,8 @@ inline acc_t lanes_max(const Vec<acc_t>& v) {
 }
 
 // max_j x[j] (-inf for n = 0); the tail in a last vector whose lanes past n read -inf. Four
-// running maxima: at::vec::maximum (a max, and an or that keeps NaN) in one chain waited its latency at
-// every vector (19% of the bfloat16 softmax's samples at T = 2048).
+// running maxima, so that at::vec::maximum (a max, and an or that keeps NaN) does not wait its
+// latency at every vector.
 template <typename acc_t>
 inline acc_t max_of(const acc_t* x, int64_t n) {
   constexpr int64_t W = Vec<acc_t>::size();

@@ -185,15 +185,8 @@ inline void weighted_rows(const acc_t* p, const scalar_t* v, int64_t ld, int64_t
 
 // Each query row's scores over the chunk's keys (one pass over the keys), its softmax update, then
 // its weighted sum of the values (one pass over the values). No software prefetch: each pass reads
-// its rows in address order, which the hardware's stream prefetchers follow. Asking for a chunk's
-// values into L2 during its key pass (and, in float32, for the next chunk's during its value pass)
-// had paid while the kernel was compute bound (0.86 -> 0.94 of `sum`'s rate) and on 4 KB pages;
-// once the cache sat on huge pages, the two plain passes took less time. Float32, B=8, ctx 2048,
-// 12 heads of 64, 2 threads, each call after a 64 MB read, op / torch.sum over K and V (medians of
-// 25 rounds, one process): 1.018-1.078 with no hint against 1.095-1.110 with both (3 processes);
-// context 8192 1.029 against 1.058; bfloat16 0.968 against 1.022, half 0.965 against 1.000; on
-// 4 KB pages 1.051-1.088 against 1.055-1.146; one thread 1.21 against 1.39. Asking for only the
-// first 2-32 KB of the values before the softmax (to start their stream early) changed nothing.
+// its rows in address order, which the hardware's stream prefetchers follow (with the cache on huge
+// pages, software prefetching only costs time).
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_t* v, int64_t ld, int64_t n,
                   int64_t hd, acc_t scale, int64_t causal_offset, acc_t* m, acc_t* l, acc_t* o, acc_t* buf) {

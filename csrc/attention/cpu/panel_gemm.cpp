@@ -160,7 +160,7 @@ void pack_panels(const float* src, int64_t rs, int64_t cs, int64_t k, int64_t n,
 // The AVX-512 build of panel_gemm: the same products in the same order (one fused multiply-add per
 // product, k in order, from C or 0), so the same bits, with a panel row in one zmm register: R rows x
 // NP (1 or 2) panels of C in registers, each B vector feeding R products, each A value NP. (A CPU with
-// two 512-bit FMA units does twice the 256-bit kernel's work per cycle; Zen 4 splits a zmm FMA in two.)
+// two 512-bit FMA units does twice the 256-bit kernel's work per cycle.)
 template <int R, int NP, bool kAccumulate>
 inline void panel_block512(int64_t k, const float* a, int64_t rs_a, int64_t cs_a, const float* b, int64_t ld_b,
                            int64_t ps_b, float* c, int64_t ldc, __mmask16 mask0, __mmask16 mask1) {

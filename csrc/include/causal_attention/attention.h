@@ -133,8 +133,7 @@ at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight, co
 // its whole huge pages advised to be huge (Linux, madvise MADV_HUGEPAGE; the tail, less than one,
 // stays on small pages), where torch's allocator leaves it on 4 KB pages. Copies of it (clone, .to,
 // deepcopy) are torch's, on 4 KB pages. A decode step streams the whole cache; on 4 KB pages
-// every 4 KB of it costs a TLB miss (float32, B=8, 12 heads of 64, context 2048, 2 threads: the
-// attention op took 0.88-0.92 of its time, a copy 0.85-0.95 and a sum 0.82-0.95, 3 processes).
+// every 4 KB of it costs a TLB miss.
 // Smaller, or on another device than the CPU (device; none: the CPU): at::zeros. (The device is
 // also what FakeTensorMode, compiling or exporting, needs of the op: it calls an op without tensor
 // arguments with device=meta.)
@@ -150,8 +149,7 @@ at::Tensor cache_zeros(at::IntArrayRef size, at::ScalarType dtype, std::optional
 // there is less than a huge page inside the storage, or no storage: a sparse or MKLDNN tensor; and
 // elsewhere than Linux). A tensor not on the CPU is an error (ValueError). make_cache calls it on
 // the layer's weights: a decode step streams them with the cache, and on 4 KB pages every 4 KB of
-// them costs a TLB miss (the layer's float32 step, B=8, ctx 2048, dim 768: 0.94-0.99 of its time
-// with the weights moved, 3 processes).
+// them costs a TLB miss.
 int64_t advise_huge_pages(const at::Tensor& tensor);
 
 // The instruction set the CPU kernel's element-wise routines were chosen for at run time.

@@ -11,9 +11,8 @@ namespace {
 
 // Keeps v in a register (AVX-512, whose 32 registers hold the linear block's x vectors and
 // accumulators). Without it GCC folds a vector loaded once and used RO times into each fused
-// multiply-add's memory operand, and Zen 4 runs such FMAs at half the rate: the linear block
-// below went from 1.6 to 3.0 G FMA/s per core when its x vectors stayed in registers. (With
-// AVX2's 16 registers the x vectors would spill: there the memory operands stay.)
+// multiply-add's memory operand, and some CPUs run such FMAs at half the rate. (With AVX2's 16
+// registers the x vectors would spill: there the memory operands stay.)
 template <typename acc_t>
 inline void keep_in_register([[maybe_unused]] Vec<acc_t>& v) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -29,7 +28,10 @@ inline void keep_in_register([[maybe_unused]] Vec<acc_t>& v) {
 // as dot_rows sums it (lane-wise in k order, then across lanes, then the scalar tail): RM x RO
 // accumulators in registers. Each step loads the RM x vectors once, then each weight vector once
 // and feeds it to RM fused multiply-adds. Meanwhile `lines` cache lines from pf are prefetched
-// into L2, spread evenly over the pass.
+// into L2, spread evenly over the pass. The scalar tail is an explicit fused multiply-add where the
+// build has one (else a multiply and an add): GCC contracts a * b + c only where it vectorises
+// (-ffp-contract=fast), which differs between RM x RO shapes, and FewRowsProduct promises the same
+// bits whichever block computes an output.
 template <int RM, int RO, typename scalar_t, typename acc_t>
 inline void linear_block(const acc_t* x, const scalar_t* w, int64_t in, acc_t* s, const char* pf, int64_t lines) {
   acc_t sum[RM][RO] = {};
@@ -72,12 +74,7 @@ inline void linear_block(const acc_t* x, const scalar_t* w, int64_t in, acc_t* s
   for (; line < lines; ++line) {
     __builtin_prefetch(pf + 64 * line, 0, 2);
   }
-  // The scalar tail, rounded the same way in every block shape: GCC contracts a * b + c into a fused
-  // multiply-add where it vectorises (-ffp-contract=fast, its C++ default), which it did for some
-  // RM x RO blocks and not others, so an output's bits depended on the block that computed it (a
-  // range of output features may start anywhere: FewRowsProduct promises the same bits). An
-  // explicit fused multiply-add where the build has one; a multiply and an add, never contracted,
-  // where it has not.
+  // The scalar tail: rounded the same way in every block shape (see above).
   for (; d < in; ++d) {
     for (int i = 0; i < RM; ++i) {
       for (int r = 0; r < RO; ++r) {
@@ -98,8 +95,7 @@ inline void linear_block(const acc_t* x, const scalar_t* w, int64_t in, acc_t* s
 
 // Input rows per pass over a block of weight rows: 8 where there are 32 vector registers (8 x
 // vectors + 8 x 3 accumulators, all but one in registers; the weight is then read once for up to 8
-// rows), 4 with AVX2's 16 and in the DEFAULT build (on Zen 3 the 8-row block spilled and streamed at
-// 16 GB/s against 20 for 4 rows).
+// rows), 4 with AVX2's 16 and in the DEFAULT build (where 8 rows spill).
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kLinearRows = 8;
 #else
@@ -140,9 +136,9 @@ CA_BF16_TARGET inline void pair_linear_step(const c10::BFloat16* x, const c10::B
 // out[i][r]: float32 lanes that add up to x[i] . w[r], for RM rows of x and RO rows of w, all
 // bfloat16: 32 values (16 pairs) a step, each vdpbf16ps adding a pair's two products (exact in float32)
 // to a lane's sum, the last step's values past `in` loaded as 0. Half the instructions of widening the
-// weights for float32 fused multiply-adds, which left the 8 rows of a decode step compute bound. (8 x 3:
-// the 8 x vectors, 24 accumulators and a weight vector are one more than the 32 registers, so GCC keeps
-// one accumulator on the stack; 8 x 2 was slower.) Meanwhile `lines` cache lines from pf are prefetched
+// weights for float32 fused multiply-adds, which would leave a decode step compute bound. (8 x 3: the 8
+// x vectors, 24 accumulators and a weight vector are one more than the 32 registers, so GCC keeps one
+// accumulator on the stack.) Meanwhile `lines` cache lines from pf are prefetched
 // into L2, spread evenly over the pass.
 template <int RM, int RO>
 CA_BF16_TARGET void pair_linear_block(const c10::BFloat16* x, const c10::BFloat16* w, int64_t in,
@@ -238,12 +234,8 @@ template <typename scalar_t, typename Block = FmaBlock, typename x_t = at::opmat
 void linear_rows(const x_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o0,
                  int64_t o1, scalar_t* y, int64_t ld_y) {
   // 3 weight rows per block; the rows of the block about kAheadBytes ahead are prefetched into L2
-  // meanwhile, so that memory streams while the FMAs work (into L1 they streamed at 0.5-0.6 of
-  // torch's sum). How far ahead, measured on Zen 4 (the decode bench's qkv, 8 x 768 by 2304 x 768,
-  // and proj, by 768 x 768, weight from memory, 2 threads, medians of 40 interleaved calls each
-  // after a 64 MB read, three processes): float32 qkv 0.33 / 0.29 / 0.29 / 0.28 ms at 2 / 4 / 6 / 8
-  // blocks (18 / 36 / 54 / 72 KB) ahead, proj 0.13 / 0.12 / 0.12 / 0.12; bfloat16 qkv 0.21 / 0.17
-  // / 0.17 / 0.17 at 2 / 4 / 6 / 11 blocks; one row 0.31-0.36 / 0.27-0.32 / 0.26-0.30 at 2 / 4 / 6.
+  // meanwhile, so that memory streams while the FMAs work (into L1, the prefetches evict the rows in
+  // use); past about 48 KB ahead, further gains nothing.
   constexpr int kOut = 3;
   constexpr int64_t kAheadBytes = 48 * 1024;
   const int64_t block_bytes = kOut * in * static_cast<int64_t>(sizeof(scalar_t));
