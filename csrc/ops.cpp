@@ -27,7 +27,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
-#include "attention/tile_ops.h"
+#include "cpu/tile_ops.h"
 #include "causal_attention/attention.h"
 
 namespace causal_attention {

@@ -23,31 +23,20 @@
 
 #include "causal_attention/attention.h"
 #include "blas.h"
-#include "linear.h"
+#include "config.h"
+#include "linear/few_rows.h"
 #include "schedule.h"
-#include "tile_ops.h"
+#include "cpu/tile_ops.h"
 #include "tile_products.h"
 
 namespace causal_attention::kernels {
 namespace {
 
-constexpr int64_t kDecodeChunk = 256;  // keys per tile, and the unit of a context's split
-// Bytes of keys and values per decode_chunk call of a few queries (each call passes over its keys,
-// then over its values: fewer, longer calls switch between the two streams less often). Float32,
-// B=8, ctx 2048, 12 heads of 64, 2 threads, op / torch.sum over K and V (medians of 25 interleaved
-// rounds, two processes): 1024 keys a call (512 KB) 0.972 / 1.046, 2048 keys 0.974 / 1.045, 512
-// keys 1.005 / 1.045. (When each call's values were prefetched into L2 during its key pass, the
-// calls had to fit L2: 0.81 with 2048 keys against 0.88-0.91 with 1024.)
-constexpr int64_t kDecodeStreamBytes = 512 * 1024;
-
 // Keys per decode_chunk call: kDecodeStreamBytes of keys and values, and at least a tile's.
 inline int64_t stream_keys(int64_t hd, int64_t itemsize) {
   return std::max(kDecodeChunk, kDecodeStreamBytes / (2 * std::max<int64_t>(hd, 1) * itemsize));
 }
-constexpr int64_t kDecodeRows = 64;    // new queries per tile
-constexpr int64_t kDecodeFewRows = 16;  // up to this many new queries: row-wise streaming, no GEMM
-constexpr int64_t kDecodeItems = 64;    // few new queries: split contexts until B * H * splits reaches this
-constexpr int64_t kLine = 64;           // bytes per cache line
+constexpr int64_t kLine = 64;  // bytes per cache line
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
 void check_cache(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -453,14 +442,7 @@ at::Tensor decode_layer_cpu(const at::Tensor& x_in, const at::Tensor& qkv_weight
   }
   const int64_t* e = end.data();
   // The steps of few_rows_linear_cpu, kv_cache_write_cpu and decode_attention_cpu, each a parallel
-  // pass of its own, in one op call. (Each head's projection had been a work item of the
-  // attention's pass, one head ahead of that head's attention items, so that one thread's
-  // projection overlapped another's streaming of the cache: float32, B=8, 12 heads of 64, 2
-  // threads, medians of 40 interleaved calls each after a 64 MB read, the steps one after the other
-  // took the same time at context 2048 (4 processes, within 1.5% either way) and less at context 16,
-  // 0.46-0.53 ms against 0.56-0.62, where the items had cut the projection's stream into 36 pieces.
-  // A thread out of items had also prefetched its share of the output projection's weight, 1.2 MB
-  // into a 1 MB L2: without it, 0.03-0.1 ms less at context 2048 and 0.06 less at context 16.)
+  // pass of its own (so that each streams its weight or cache unbroken), in one op call.
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x_in.scalar_type(), "decode_layer", [&] {
     // (The pass, whose state it allocates, is made before the cache is written: nothing is written
     // where that fails.)

@@ -25,10 +25,11 @@
 #include <vector>
 
 #include "blas.h"
+#include "config.h"
 #include "causal_attention/attention.h"
 #include "philox.h"
 #include "schedule.h"
-#include "tile_ops.h"
+#include "cpu/tile_ops.h"
 #include "tile_products.h"
 
 namespace causal_attention::kernels {

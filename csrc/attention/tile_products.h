@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "blas.h"
-#include "tile_ops.h"
+#include "cpu/tile_ops.h"
 
 namespace causal_attention::kernels {
 

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "attention/blas.h"
-#include "attention/tile_ops.h"
+#include "cpu/tile_ops.h"
 #include "causal_attention/attention.h"
 
 namespace {

@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "attention/tile_ops.h"
-#include "attention/tile_tables.h"
+#include "cpu/tile_ops.h"
+#include "cpu/tile_tables.h"
 #include "cpu_features.h"
 
 namespace {

@@ -15,8 +15,8 @@
 #include <type_traits>
 #include <utility>
 
-#include "attention/tile_ops.h"
-#include "attention/tile_tables.h"
+#include "cpu/tile_ops.h"
+#include "cpu/tile_tables.h"
 #include "cpu_features.h"
 
 namespace {

@@ -12,8 +12,8 @@
 #include <limits>
 #include <vector>
 
-#include "attention/tile_ops.h"
-#include "attention/tile_tables.h"
+#include "cpu/tile_ops.h"
+#include "cpu/tile_tables.h"
 #include "cpu_features.h"
 
 namespace {
@@ -214,35 +214,44 @@ torch::Tensor values(const Case& c, at::IntArrayRef shape) {
   return c.integers ? torch::randint(-4, 5, shape).to(torch::kFloat32) : torch::randn(shape);
 }
 
-void check_case(const tile::TileOps<BFloat16>& ops, const Case& c) {
-  const auto [m, n, k, trans_a, b_from_columns, accumulate, integers, extra] = c;
-  const int64_t k2 = ceil_div(k, 2);
-  // A (m x k), float32, then as pair_gemm reads it: row-major pairs (a zero after an odd k's last
-  // value, as input_operand pads them), or the transpose of a k x m tile by round_pairs_transposed.
-  const auto a = values(c, {m, k});
-  const auto a_bf16 = a.to(torch::kBFloat16);
-  std::vector<BFloat16> a_pairs;
-  int64_t rs_a = 0;
-  int64_t cs_a = 0;
+// A (m x k, float32) as pair_gemm reads it: row-major pairs (a zero after an odd k's last value, as
+// input_operand pads them), or the transpose of a k x m tile by round_pairs_transposed.
+struct PairOperand {
+  std::vector<BFloat16> pairs;
+  int64_t rs = 0, cs = 0;
+};
+PairOperand a_operand(const tile::TileOps<BFloat16>& ops, const torch::Tensor& a, bool trans_a) {
+  const int64_t m = a.size(0), k = a.size(1), k2 = ceil_div(k, 2);
+  PairOperand out;
   if (trans_a) {
     const auto at_tile = a.t().contiguous();  // k x m
     const int64_t ld = 2 * m + 2;
-    a_pairs.assign(k2 * ld, BFloat16(std::numeric_limits<float>::quiet_NaN()));
-    ops.round_pairs_transposed(at_tile.const_data_ptr<float>(), m, k, m, a_pairs.data(), ld);
-    rs_a = 2;
-    cs_a = ld;
+    out.pairs.assign(k2 * ld, BFloat16(std::numeric_limits<float>::quiet_NaN()));
+    ops.round_pairs_transposed(at_tile.const_data_ptr<float>(), m, k, m, out.pairs.data(), ld);
+    out.rs = 2;
+    out.cs = ld;
   } else {
     const int64_t ld = 2 * k2 + 4;
-    a_pairs.assign(m * ld, BFloat16(std::numeric_limits<float>::quiet_NaN()));
+    out.pairs.assign(m * ld, BFloat16(std::numeric_limits<float>::quiet_NaN()));
+    const auto a_bf16 = a.to(torch::kBFloat16);
     const auto acc = a_bf16.accessor<BFloat16, 2>();
     for (int64_t i = 0; i < m; ++i) {
       for (int64_t kk = 0; kk < 2 * k2; ++kk) {
-        a_pairs[i * ld + kk] = kk < k ? acc[i][kk] : BFloat16(0.0f);
+        out.pairs[i * ld + kk] = kk < k ? acc[i][kk] : BFloat16(0.0f);
       }
     }
-    rs_a = ld;
-    cs_a = 2;
+    out.rs = ld;
+    out.cs = 2;
   }
+  return out;
+}
+
+void check_case(const tile::TileOps<BFloat16>& ops, const Case& c) {
+  const auto [m, n, k, trans_a, b_from_columns, accumulate, integers, extra] = c;
+  const int64_t k2 = ceil_div(k, 2);
+  const auto a = values(c, {m, k});
+  const auto a_bf16 = a.to(torch::kBFloat16);
+  const auto [a_pairs, rs_a, cs_a] = a_operand(ops, a, trans_a);
   // B (k x n) in bfloat16, packed from its rows or from its transpose's rows, with `extra` rows more
   // (Inf, which must not reach C) that the product leaves out, as a tile short of its key block does.
   const auto b_bf16 = values(c, {k, n}).to(torch::kBFloat16);

@@ -11,8 +11,8 @@
 #include <limits>
 #include <vector>
 
-#include "attention/tile_ops.h"
-#include "attention/tile_tables.h"
+#include "cpu/tile_ops.h"
+#include "cpu/tile_tables.h"
 #include "cpu_features.h"
 
 namespace {
@@ -33,6 +33,28 @@ std::string describe(const Case& c) {
   return "m " + std::to_string(c.m) + " n " + std::to_string(c.n) + " k " + std::to_string(c.k) + " trans_a " +
          std::to_string(c.trans_a) + " layout " + std::to_string(static_cast<int>(c.layout)) + " accumulate " +
          std::to_string(c.accumulate);
+}
+
+// A . B (+ C's first columns when accumulate) with one fused multiply-add per product, in k order.
+torch::Tensor fma_product(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& c, bool accumulate) {
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  const auto a_dense = a.contiguous();
+  const auto b_dense = b.contiguous();
+  const auto a_acc = a_dense.accessor<float, 2>();
+  const auto b_acc = b_dense.accessor<float, 2>();
+  const auto c0 = c.accessor<float, 2>();
+  auto expected = torch::empty({m, n});
+  auto e = expected.accessor<float, 2>();
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      float acc = accumulate ? c0[i][j] : 0.0f;
+      for (int64_t kk = 0; kk < k; ++kk) {
+        acc = std::fma(a_acc[i][kk], b_acc[kk][j], acc);
+      }
+      e[i][j] = acc;
+    }
+  }
+  return expected;
 }
 
 void check_case(const tile::TileOps<float>& ops, const Case& c) {
@@ -72,22 +94,7 @@ void check_case(const tile::TileOps<float>& ops, const Case& c) {
                  c_mat.data_ptr<float>(), ldc);
 
   // Bit for bit: one fused multiply-add per product, in k order, from C (or 0).
-  const auto a_dense = a.contiguous();
-  const auto b_dense = b.contiguous();
-  const auto a_acc = a_dense.accessor<float, 2>();
-  const auto b_acc = b_dense.accessor<float, 2>();
-  const auto c0 = c_before.accessor<float, 2>();
-  auto expected = torch::empty({m, n});
-  auto e = expected.accessor<float, 2>();
-  for (int64_t i = 0; i < m; ++i) {
-    for (int64_t j = 0; j < n; ++j) {
-      float acc = accumulate ? c0[i][j] : 0.0f;
-      for (int64_t kk = 0; kk < k; ++kk) {
-        acc = std::fma(a_acc[i][kk], b_acc[kk][j], acc);
-      }
-      e[i][j] = acc;
-    }
-  }
+  const auto expected = fma_product(a, b, c_before, accumulate);
   const auto got = c_mat.narrow(1, 0, n);
   EXPECT_TRUE(torch::equal(got, expected)) << describe(c) << ": max diff "
                                            << (got - expected).abs().max().item<float>();

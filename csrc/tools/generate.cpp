@@ -161,6 +161,71 @@ struct Arguments {
   int bench_runs = 3;
 };
 
+// The options of generate: the command line's, with defaults from the model and the tokenizer.
+causal_attention::GenerateOptions generate_options(const Arguments& args, const causal_attention::GPTConfig& config,
+                                                   const std::optional<CharTokenizer>& tokenizer, int64_t longest) {
+  causal_attention::GenerateOptions options;
+  // The last token is never fed back, so a prompt of max_len tokens still gets one.
+  options.max_new_tokens =
+      args.max_new_tokens.value_or(std::max<int64_t>(1, std::min<int64_t>(32, config.max_len - longest + 1)));
+  options.top_k = args.top_k;
+  options.temperature = args.temperature;
+  options.eos_id = args.eos.has_value() ? args.eos : (tokenizer ? tokenizer->eos_id : std::nullopt);
+  if (args.seed) options.seed = static_cast<uint64_t>(*args.seed);
+  options.keep_logits = !args.dump_logits.empty();
+  return options;
+}
+
+// --dump-logits: the right-padded prompts, their mask, the full forward's logits (zero at padding),
+// each generation step's logits and the generated tokens (padded with -1), for the parity tests.
+void dump_logits(const std::string& path, causal_attention::GPT& model,
+                 const std::vector<std::vector<int64_t>>& prompts, int64_t longest,
+                 const causal_attention::GenerateResult& result) {
+  const auto B = static_cast<int64_t>(prompts.size());
+  auto tokens = at::zeros({B, longest}, at::kLong);
+  auto mask = at::zeros({B, longest}, at::kBool);
+  int64_t most = 0;
+  for (const auto& t : result.tokens) most = std::max<int64_t>(most, static_cast<int64_t>(t.size()));
+  auto generated = at::full({B, most}, -1, at::kLong);
+  for (int64_t b = 0; b < B; ++b) {
+    for (size_t t = 0; t < prompts[b].size(); ++t) {
+      tokens[b][static_cast<int64_t>(t)] = prompts[b][t];
+      mask[b][static_cast<int64_t>(t)] = true;
+    }
+    for (size_t t = 0; t < result.tokens[b].size(); ++t) generated[b][static_cast<int64_t>(t)] = result.tokens[b][t];
+  }
+  at::Tensor forward_logits;
+  {
+    torch::NoGradGuard no_grad;
+    forward_logits = model->forward(tokens, mask);
+  }
+  causal_attention::save_safetensors(path, {{"prompt_tokens", tokens},
+                                            {"prompt_mask", mask},
+                                            {"forward_logits", forward_logits},
+                                            {"step_logits", result.step_logits},
+                                            {"generated", generated}});
+}
+
+// --bench: the best of `runs` generations in tokens per second.
+void bench(causal_attention::GPT& model, const std::vector<std::vector<int64_t>>& prompts,
+           causal_attention::GenerateOptions options, int runs) {
+  options.keep_logits = false;
+  double best = 0.0;
+  int64_t count = 0;
+  for (int run = 0; run < runs; ++run) {
+    const auto start = std::chrono::steady_clock::now();
+    const auto out = model->generate(prompts, options);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    count = 0;
+    for (const auto& t : out.tokens) count += static_cast<int64_t>(t.size());
+    best = std::max(best, static_cast<double>(count) / seconds);
+  }
+  const int threads = at::get_num_threads();
+  std::cout << "bench: " << count << " tokens for " << prompts.size() << " prompt(s), best of " << runs
+            << (runs == 1 ? " run: " : " runs: ") << std::fixed << std::setprecision(1) << best << " tokens/s ("
+            << threads << (threads == 1 ? " thread)\n" : " threads)\n");
+}
+
 int run(const Arguments& args) {
   if (args.threads) {
     if (*args.threads <= 0) throw std::invalid_argument("--threads must be positive");
@@ -180,70 +245,16 @@ int run(const Arguments& args) {
   for (const auto& input : args.inputs) {
     prompts.push_back(input.text ? tokenizer->encode(input.value) : parse_token_list(input.value));
   }
-
-  causal_attention::GenerateOptions options;
   int64_t longest = 0;
   for (const auto& p : prompts) longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
-  // The last token is never fed back, so a prompt of max_len tokens still gets one.
-  options.max_new_tokens =
-      args.max_new_tokens.value_or(std::max<int64_t>(1, std::min<int64_t>(32, config.max_len - longest + 1)));
-  options.top_k = args.top_k;
-  options.temperature = args.temperature;
-  options.eos_id = args.eos.has_value() ? args.eos : (tokenizer ? tokenizer->eos_id : std::nullopt);
-  if (args.seed) options.seed = static_cast<uint64_t>(*args.seed);
-  options.keep_logits = !args.dump_logits.empty();
 
+  const auto options = generate_options(args, config, tokenizer, longest);
   const auto result = model->generate(prompts, options);
   for (size_t b = 0; b < prompts.size(); ++b) {
     std::cout << (args.inputs[b].text ? tokenizer->decode(result.tokens[b]) : join(result.tokens[b])) << "\n";
   }
-
-  if (!args.dump_logits.empty()) {
-    // The right-padded prompts, their mask, the full forward's logits (zero at padding), each
-    // generation step's logits and the generated tokens (padded with -1).
-    const auto B = static_cast<int64_t>(prompts.size());
-    auto tokens = at::zeros({B, longest}, at::kLong);
-    auto mask = at::zeros({B, longest}, at::kBool);
-    int64_t most = 0;
-    for (const auto& t : result.tokens) most = std::max<int64_t>(most, static_cast<int64_t>(t.size()));
-    auto generated = at::full({B, most}, -1, at::kLong);
-    for (int64_t b = 0; b < B; ++b) {
-      for (size_t t = 0; t < prompts[b].size(); ++t) {
-        tokens[b][static_cast<int64_t>(t)] = prompts[b][t];
-        mask[b][static_cast<int64_t>(t)] = true;
-      }
-      for (size_t t = 0; t < result.tokens[b].size(); ++t) generated[b][static_cast<int64_t>(t)] = result.tokens[b][t];
-    }
-    at::Tensor forward_logits;
-    {
-      torch::NoGradGuard no_grad;
-      forward_logits = model->forward(tokens, mask);
-    }
-    causal_attention::save_safetensors(args.dump_logits, {{"prompt_tokens", tokens},
-                                                          {"prompt_mask", mask},
-                                                          {"forward_logits", forward_logits},
-                                                          {"step_logits", result.step_logits},
-                                                          {"generated", generated}});
-  }
-
-  if (args.bench) {
-    auto timed = options;
-    timed.keep_logits = false;
-    double best = 0.0;
-    int64_t count = 0;
-    for (int run = 0; run < args.bench_runs; ++run) {
-      const auto start = std::chrono::steady_clock::now();
-      const auto out = model->generate(prompts, timed);
-      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      count = 0;
-      for (const auto& t : out.tokens) count += static_cast<int64_t>(t.size());
-      best = std::max(best, static_cast<double>(count) / seconds);
-    }
-    const int threads = at::get_num_threads();
-    std::cout << "bench: " << count << " tokens for " << prompts.size() << " prompt(s), best of " << args.bench_runs
-              << (args.bench_runs == 1 ? " run: " : " runs: ") << std::fixed << std::setprecision(1) << best
-              << " tokens/s (" << threads << (threads == 1 ? " thread)\n" : " threads)\n");
-  }
+  if (!args.dump_logits.empty()) dump_logits(args.dump_logits, model, prompts, longest, result);
+  if (args.bench) bench(model, prompts, options, args.bench_runs);
   return 0;
 }
 

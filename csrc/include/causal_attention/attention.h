@@ -82,15 +82,6 @@ at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Te
 at::Tensor attention_math(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
                           int64_t n_heads, double dropout_p = 0.0, const std::optional<at::Tensor>& keep = std::nullopt);
 
-// The fused CPU kernel's tiles: block_q queries against block_k keys (measured on AVX-512, 2 threads).
-inline constexpr int64_t kBlockQ = 128;     // forward
-inline constexpr int64_t kBlockK = 256;     // forward
-inline constexpr int64_t kBwdBlockQ = 128;  // backward
-inline constexpr int64_t kBwdBlockK = 128;  // backward
-// Tiles on the causal diagonal go in slices of this many query rows, each with only the keys its
-// rows can see, to waste less of the masked triangle.
-inline constexpr int64_t kDiagonalRows = 64;
-
 // Fused CPU forward: (out (B, T, dim), lse (B, H, T)). lse is float32 (float64 for float64 inputs);
 // a query with no allowed key has out = 0 and lse = +inf. key_padding_mask: bool (B, T) or none.
 // dropout_p > 0: attention-weight dropout with this seed (lse stays the softmax's, before dropout).
@@ -134,7 +125,7 @@ at::Tensor decode_layer_cpu(const at::Tensor& x, const at::Tensor& qkv_weight, c
 
 // x (..., in) @ weight^T (+ bias) -> (..., out) for the few rows of a decode step, streaming the weight
 // (out, in) from memory once; sums in float32 for bfloat16/half (float64 for float64), one rounding.
-// Any number of rows is computed, but BLAS is faster past a handful (kFewRows, module.h). No autograd.
+// Any number of rows is computed, but BLAS is faster past a handful. No autograd.
 at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 
 // A zeroed CPU tensor for a KV cache's keys or values: of at least one transparent huge page (2 MB
@@ -142,8 +133,7 @@ at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight, co
 // its whole huge pages advised to be huge (Linux, madvise MADV_HUGEPAGE; the tail, less than one,
 // stays on small pages), where torch's allocator leaves it on 4 KB pages. Copies of it (clone, .to,
 // deepcopy) are torch's, on 4 KB pages. A decode step streams the whole cache; on 4 KB pages
-// every 4 KB of it costs a TLB miss (float32, B=8, 12 heads of 64, context 2048, 2 threads: the
-// attention op took 0.88-0.92 of its time, a copy 0.85-0.95 and a sum 0.82-0.95, 3 processes).
+// every 4 KB of it costs a TLB miss.
 // Smaller, or on another device than the CPU (device; none: the CPU): at::zeros. (The device is
 // also what FakeTensorMode, compiling or exporting, needs of the op: it calls an op without tensor
 // arguments with device=meta.)
@@ -159,8 +149,7 @@ at::Tensor cache_zeros(at::IntArrayRef size, at::ScalarType dtype, std::optional
 // there is less than a huge page inside the storage, or no storage: a sparse or MKLDNN tensor; and
 // elsewhere than Linux). A tensor not on the CPU is an error (ValueError). make_cache calls it on
 // the layer's weights: a decode step streams them with the cache, and on 4 KB pages every 4 KB of
-// them costs a TLB miss (the layer's float32 step, B=8, ctx 2048, dim 768: 0.94-0.99 of its time
-// with the weights moved, 3 processes).
+// them costs a TLB miss.
 int64_t advise_huge_pages(const at::Tensor& tensor);
 
 // The instruction set the CPU kernel's element-wise routines were chosen for at run time.

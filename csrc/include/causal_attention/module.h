@@ -65,7 +65,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   KVCache make_cache(int64_t batch_size, int64_t max_len) const;
 
   // Whether forward(x, mask, cache) runs its step as one kernels::decode_layer_cpu call: at most
-  // kFewRows rows, no autograd, no autocast, x and the weights on the CPU in x's dtype (where both
+  // a decode step's few rows, no autograd, no autocast, x and the weights on the CPU in x's dtype (where both
   // projections would take few_rows_linear's streaming kernel), as Python's _decode_layer.
   bool decode_layer_applies(const at::Tensor& x) const;
 
@@ -89,10 +89,9 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
 
 TORCH_MODULE(CausalSelfAttention);
 
-// x (..., in) @ weight^T (+ bias) -> (..., out). Without autograd and with at most kFewRows rows (a
-// decode step), as Python's few_rows_matmul (module.py): on the CPU by kernels::few_rows_linear_cpu,
-// which streams the weight from memory once; elsewhere as (W x^T)^T. bias may be undefined.
-inline constexpr int64_t kFewRows = 8;
+// x (..., in) @ weight^T (+ bias) -> (..., out). Without autograd and with a decode step's few rows, as
+// Python's few_rows_matmul: on the CPU by kernels::few_rows_linear_cpu, which streams the weight from
+// memory once; elsewhere as (W x^T)^T. bias may be undefined.
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 
 }  // namespace causal_attention

@@ -1,9 +1,10 @@
-// Element-wise work on attention tiles: online softmax, rescaling, the backward's probabilities
-// and score gradients. The matrix products around them are blas.h's (tile_products.h).
+// The table of per-instruction-set kernels: the element-wise work on attention tiles (online softmax,
+// rescaling, the backward's probabilities and score gradients), dropout, the decode kernel, the
+// few-rows linear kernel and the micro-kernels of the tile products (tile_products.h).
 //
-// These routines are compiled once per instruction set (tile_ops_isa.cpp: DEFAULT, AVX2, AVX512)
-// and chosen at run time from ATen's CPU capability, as ATen's own kernels are; the environment
-// variable ATEN_CPU_CAPABILITY=default|avx2|avx512 forces a lower one.
+// Each family is one file compiled once per instruction set (DEFAULT, AVX2, AVX512; cpu/families.h),
+// and the table is chosen at run time from ATen's CPU capability, as ATen's own kernels are; the
+// environment variable ATEN_CPU_CAPABILITY=default|avx2|avx512 forces a lower one.
 //
 // Conventions: a tile has `rows` queries and `cols` keys, row-major with leading dimension `ld`.
 // acc_t is float for float/bfloat16/half inputs and double for double.
@@ -19,7 +20,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "philox.h"
+#include "attention/philox.h"
 
 namespace causal_attention::tile {
 

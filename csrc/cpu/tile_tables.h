@@ -1,8 +1,8 @@
-// The tile routines of each instruction-set build (tile_ops_isa.cpp, compiled with CPU_CAPABILITY =
-// DEFAULT, AVX2, AVX512): tile_ops.cpp chooses among them at run time; tests call them directly.
+// The tile routines of each instruction-set build (tile_table.cpp and its families, compiled with
+// CPU_CAPABILITY = DEFAULT, AVX2, AVX512): tile_ops.cpp chooses among them at run time; tests call them directly.
 #pragma once
 
-#include "tile_ops.h"
+#include "cpu/tile_ops.h"
 
 #define CA_DECLARE_TILE_OPS(CAP)              \
   namespace causal_attention::tile::CAP {     \

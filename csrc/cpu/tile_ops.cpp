@@ -1,6 +1,6 @@
 // Chooses the tile routines for the instruction set of this CPU, once per dtype.
-#include "tile_ops.h"
-#include "tile_tables.h"
+#include "cpu/tile_ops.h"
+#include "cpu/tile_tables.h"
 
 #include <ATen/Version.h>
 

@@ -1,6 +1,7 @@
 #include "causal_attention/module.h"
 
 #include "causal_attention/attention.h"
+#include "config.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>

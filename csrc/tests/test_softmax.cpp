@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "attention/tile_ops.h"
-#include "attention/tile_tables.h"
+#include "cpu/tile_ops.h"
+#include "cpu/tile_tables.h"
 #include "cpu_features.h"
 
 namespace {
@@ -234,7 +234,7 @@ void check_isa(F32 f32, BF16 bf16, F16 f16, const std::string& isa, bool pairs) 
   EXPECT_EQ(f32().softmax_tile_rounded, nullptr) << isa;
 }
 
-// The exp (exp_vec, tile_ops_isa.cpp) of the AVX2 and AVX512 builds over its whole range, through the float32 step: one
+// The exp (exp_vec, cpu/exp.h) of the AVX2 and AVX512 builds over its whole range, through the float32 step: one
 // row of scale 1 whose max is its first score, 0, so that P[j] = exp(x[j]) for the other scores x[j] (the
 // argument x[j] - 0 is exact). Within 1 ulp of the result (ulps of its own binade) of exp in float64 from 0
 // down to the float above ln(FLT_MIN), as its comment says: the reduction x - n ln2 is exact, so the error

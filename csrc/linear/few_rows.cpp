@@ -1,12 +1,11 @@
 // A linear layer on a few rows (a decode step's projections): memory bound, so the weight is
 // streamed from memory once, 3 rows at a time, while every input row passes over them (tile_ops'
-// linear_rows, which prefetches the rows ahead). BLAS routines handle M <= 16 rows at 5-13 GB/s
-// here; this streams a 7 MB weight at 24-28 GB/s on 2 threads of a Zen 4 (README, few_rows_linear).
+// linear_rows, which prefetches the rows ahead); BLAS routines stream it slower at so few rows.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 
 #include "causal_attention/attention.h"
-#include "linear.h"
+#include "linear/few_rows.h"
 
 namespace causal_attention::kernels {
 namespace {

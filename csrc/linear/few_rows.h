@@ -1,5 +1,5 @@
 // The few-rows linear product of a decode step (few_rows_linear_cpu, and the fused decode layer of
-// decode.cpp): x's rows prepared once, then any range of output features computed on its own, so
+// attention/decode.cpp): x's rows prepared once, then any range of output features computed on its own, so
 // that threads split the weight's rows between them (all()). Each output is the same sum whichever
 // range computes it (linear_rows sums every output alone, in the same order), so a split never
 // changes a bit.
@@ -12,7 +12,7 @@
 #include <algorithm>
 #include <optional>
 
-#include "tile_ops.h"
+#include "cpu/tile_ops.h"
 
 namespace causal_attention::kernels {
 

@@ -19,6 +19,7 @@
 #include <set>
 #include <sstream>
 #include <stdexcept>
+#include <variant>
 
 namespace causal_attention {
 
@@ -77,9 +78,26 @@ namespace {
 
 // config.json's options, in GPTConfig's order (as gpt.py's fields), and an older version's file:
 // the demo's, with mlp_ratio, whose missing options take the values of the model it built.
-constexpr std::array<const char*, 13> kOptions{"vocab_size",    "max_len",        "dim",        "n_layers", "n_heads",
-                                               "mlp_hidden",    "layer_norm_eps", "activation", "bias",     "tie_head",
-                                               "attn_dropout", "resid_dropout",  "embd_dropout"};
+// A field of GPTConfig; its type says which JSON values it takes.
+using Field = std::variant<int64_t GPTConfig::*, std::optional<int64_t> GPTConfig::*, double GPTConfig::*,
+                           bool GPTConfig::*, std::string GPTConfig::*>;
+struct Option {
+  const char* key;
+  Field field;
+};
+const std::array<Option, 13> kOptions{{{"vocab_size", &GPTConfig::vocab_size},
+                                       {"max_len", &GPTConfig::max_len},
+                                       {"dim", &GPTConfig::dim},
+                                       {"n_layers", &GPTConfig::n_layers},
+                                       {"n_heads", &GPTConfig::n_heads},
+                                       {"mlp_hidden", &GPTConfig::mlp_hidden},
+                                       {"layer_norm_eps", &GPTConfig::layer_norm_eps},
+                                       {"activation", &GPTConfig::activation},
+                                       {"bias", &GPTConfig::bias},
+                                       {"tie_head", &GPTConfig::tie_head},
+                                       {"attn_dropout", &GPTConfig::attn_dropout},
+                                       {"resid_dropout", &GPTConfig::resid_dropout},
+                                       {"embd_dropout", &GPTConfig::embd_dropout}}};
 constexpr std::array<const char*, 6> kLegacyRequired{"vocab_size", "max_len", "dim", "n_layers", "n_heads", "mlp_ratio"};
 
 const std::vector<std::pair<std::string, nlohmann::json>>& legacy_defaults() {
@@ -103,14 +121,22 @@ bool is_int64(const nlohmann::json& value) {
 
 }  // namespace
 
-GPTConfig GPTConfig::from_json(const std::string& text, const std::string& source) {
-  using nlohmann::json;
-  json values = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (values.is_discarded()) throw FormatError(source + ": not well-formed JSON");
-  if (!values.is_object()) throw FormatError(concat(source, ": must be a JSON object; got ", values.type_name()));
-  // The checks in gpt.py's order (_config_values): unknown keys, format, missing keys, types, ranges.
+namespace {
+
+template <typename... F>
+struct Overloaded : F... {
+  using F::operator()...;
+};
+
+FormatError wrong_type(const std::string& source, const char* key, const char* what, const nlohmann::json& value) {
+  return FormatError(concat(source, ": ", key, " must be ", what, "; got ", value.dump()));
+}
+
+// Unknown keys, the format, and missing keys, in gpt.py's order (_config_values); returns whether
+// this is an older version's file (mlp_ratio).
+bool check_keys(const nlohmann::json& values, const std::string& source) {
   const auto is_option = [](const std::string& key) {
-    return std::any_of(kOptions.begin(), kOptions.end(), [&](const char* option) { return key == option; });
+    return std::any_of(kOptions.begin(), kOptions.end(), [&](const Option& option) { return key == option.key; });
   };
   std::vector<std::string> unknown;
   for (const auto& [key, _] : values.items()) {  // sorted, as nlohmann::json keeps objects
@@ -134,77 +160,85 @@ GPTConfig GPTConfig::from_json(const std::string& text, const std::string& sourc
       if (!values.contains(key)) missing.emplace_back(key);
     }
   } else {
-    for (const char* key : kOptions) {
-      if (!values.contains(key)) missing.emplace_back(key);
+    for (const auto& option : kOptions) {
+      if (!values.contains(option.key)) missing.emplace_back(option.key);
     }
   }
   std::sort(missing.begin(), missing.end());
   if (!missing.empty()) {
     throw FormatError(concat(source, ": missing option(s) ", listing(missing), " (GPT.save writes every option)"));
   }
-  std::string taken;  // an older version's file: the options it lacks, named in a warning below
-  if (legacy) {
-    for (const auto& [key, value] : legacy_defaults()) {
-      if (values.contains(key)) continue;
-      taken += (taken.empty() ? "" : ", ") + key + "=" + value.dump();
-      values[key] = value;
-    }
-  }
+  return legacy;
+}
 
+// One option's value into its field, by the field's type (true or 2.0 is no int).
+void read_option(const Option& option, const nlohmann::json& value, GPTConfig& config, const std::string& source) {
+  const auto wrong = [&](const char* what) { return wrong_type(source, option.key, what, value); };
+  std::visit(Overloaded{[&](int64_t GPTConfig::*field) {
+                          if (!is_int64(value)) throw wrong("an int");
+                          config.*field = value.get<int64_t>();
+                        },
+                        [&](std::optional<int64_t> GPTConfig::*field) {
+                          if (!value.is_null() && !is_int64(value)) throw wrong("an int or null");
+                          config.*field = value.is_null() ? std::nullopt : std::optional<int64_t>(value.get<int64_t>());
+                        },
+                        [&](double GPTConfig::*field) {
+                          if (!value.is_number()) throw wrong("a number");
+                          config.*field = value.get<double>();
+                        },
+                        [&](bool GPTConfig::*field) {
+                          if (!value.is_boolean()) throw wrong("true or false");
+                          config.*field = value.get<bool>();
+                        },
+                        [&](std::string GPTConfig::*field) {
+                          if (!value.is_string()) throw wrong("a string");
+                          config.*field = value.get<std::string>();
+                        }},
+             option.field);
+}
+
+// An older version's file: its missing options take that version's values (named in `taken`), and
+// mlp_ratio becomes mlp_hidden.
+std::string fill_legacy_defaults(nlohmann::json& values) {
+  std::string taken;
+  for (const auto& [key, value] : legacy_defaults()) {
+    if (values.contains(key)) continue;
+    taken += (taken.empty() ? "" : ", ") + key + "=" + value.dump();
+    values[key] = value;
+  }
+  return taken;
+}
+
+void read_mlp_ratio(const nlohmann::json& values, GPTConfig& config, const std::string& source,
+                    const std::string& taken) {
+  if (!is_int64(values["mlp_ratio"])) throw wrong_type(source, "mlp_ratio", "an int", values["mlp_ratio"]);
+  const auto ratio = values["mlp_ratio"].get<int64_t>();
+  if (ratio <= 0) throw FormatError(concat(source, ": mlp_ratio must be a positive int; got ", ratio));
+  int64_t hidden = 0;
+  if (ratio != 4 && __builtin_mul_overflow(ratio, config.dim, &hidden)) {
+    throw FormatError(concat(source, ": mlp_ratio x dim does not fit in 64 bits"));
+  }
+  if (ratio != 4) config.mlp_hidden = hidden;
+  if (!taken.empty()) {
+    std::cerr << "warning: " << source
+              << ": an older version's file (mlp_ratio); the options it lacks take that version's values: " << taken
+              << "\n";
+  }
+}
+
+}  // namespace
+
+GPTConfig GPTConfig::from_json(const std::string& text, const std::string& source) {
+  nlohmann::json values = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (values.is_discarded()) throw FormatError(source + ": not well-formed JSON");
+  if (!values.is_object()) throw FormatError(concat(source, ": must be a JSON object; got ", values.type_name()));
+  const bool legacy = check_keys(values, source);
+  const std::string taken = legacy ? fill_legacy_defaults(values) : "";
   GPTConfig config;
-  const auto wrong = [&](const char* key, const char* what) {
-    return FormatError(concat(source, ": ", key, " must be ", what, "; got ", values[key].dump()));
-  };
-  const auto want_int = [&](const char* key) {
-    if (!is_int64(values[key])) throw wrong(key, "an int");
-    return values[key].get<int64_t>();
-  };
-  const auto want_number = [&](const char* key) {
-    if (!values[key].is_number()) throw wrong(key, "a number");
-    return values[key].get<double>();
-  };
-  const auto want_bool = [&](const char* key) {
-    if (!values[key].is_boolean()) throw wrong(key, "true or false");
-    return values[key].get<bool>();
-  };
-  for (const char* key : kOptions) {
-    if (!values.contains(key)) continue;
-    const std::string name = key;
-    if (name == "vocab_size") config.vocab_size = want_int(key);
-    if (name == "max_len") config.max_len = want_int(key);
-    if (name == "dim") config.dim = want_int(key);
-    if (name == "n_layers") config.n_layers = want_int(key);
-    if (name == "n_heads") config.n_heads = want_int(key);
-    if (name == "mlp_hidden") {
-      if (!values[key].is_null() && !is_int64(values[key])) throw wrong(key, "an int or null");
-      config.mlp_hidden = values[key].is_null() ? std::nullopt : std::optional<int64_t>(values[key].get<int64_t>());
-    }
-    if (name == "layer_norm_eps") config.layer_norm_eps = want_number(key);
-    if (name == "activation") {
-      if (!values[key].is_string()) throw wrong(key, "a string");
-      config.activation = values[key].get<std::string>();
-    }
-    if (name == "bias") config.bias = want_bool(key);
-    if (name == "tie_head") config.tie_head = want_bool(key);
-    if (name == "attn_dropout") config.attn_dropout = want_number(key);
-    if (name == "resid_dropout") config.resid_dropout = want_number(key);
-    if (name == "embd_dropout") config.embd_dropout = want_number(key);
+  for (const auto& option : kOptions) {  // then types, in GPTConfig's order
+    if (values.contains(option.key)) read_option(option, values[option.key], config, source);
   }
-  if (legacy) {
-    if (!is_int64(values["mlp_ratio"])) throw wrong("mlp_ratio", "an int");
-    const auto ratio = values["mlp_ratio"].get<int64_t>();
-    if (ratio <= 0) throw FormatError(concat(source, ": mlp_ratio must be a positive int; got ", ratio));
-    int64_t hidden = 0;
-    if (ratio != 4 && __builtin_mul_overflow(ratio, config.dim, &hidden)) {
-      throw FormatError(concat(source, ": mlp_ratio x dim does not fit in 64 bits"));
-    }
-    if (ratio != 4) config.mlp_hidden = hidden;
-    if (!taken.empty()) {
-      std::cerr << "warning: " << source
-                << ": an older version's file (mlp_ratio); the options it lacks take that version's values: " << taken
-                << "\n";
-    }
-  }
+  if (legacy) read_mlp_ratio(values, config, source, taken);
   try {
     config.validate();
   } catch (const std::invalid_argument& error) {
@@ -484,9 +518,8 @@ std::optional<std::pair<int64_t, std::string>> block_name(const std::string& nam
   return std::pair(index, name.substr(dot + 1));
 }
 
-// Checks the file's header against config (checkpoints.py's check_header: the same rules, order and
-// messages); returns the model's dtype. Costs time and memory in the header's size only.
-at::ScalarType check_header(const GPTConfig& config, const SafetensorsFile& file, const std::string& config_source) {
+// Every tensor of one floating dtype.
+void check_dtypes(const SafetensorsFile& file) {
   const auto source = file.path().string();
   const auto& entries = file.entries();  // sorted by name
   for (const auto& [name, entry] : entries) {
@@ -503,82 +536,117 @@ at::ScalarType check_header(const GPTConfig& config, const SafetensorsFile& file
                                safetensors_dtype_name(entry.dtype), " (every tensor must share one floating dtype)"));
     }
   }
+}
 
-  const auto layout = parameter_layout(config);
-  for (const auto* part : {&layout.before, &layout.block, &layout.after}) {
-    for (const auto& tensor : *part) {
-      if (numel(tensor.shape) < 0) {
-        throw FormatError(concat(config_source, " describes tensors too large to address (tensor '", tensor.name, "')"));
+// The tensors of the model that a config describes: their names and shapes, without listing the
+// blocks' names one by one (n_layers may be anything a file claims).
+class ModelTensors {
+ public:
+  ModelTensors(const GPTConfig& config, const std::string& config_source)
+      : layout_(parameter_layout(config)), n_layers_(config.n_layers) {
+    for (const auto* part : {&layout_.before, &layout_.block, &layout_.after}) {
+      for (const auto& tensor : *part) {
+        if (numel(tensor.shape) < 0) {
+          throw FormatError(
+              concat(config_source, " describes tensors too large to address (tensor '", tensor.name, "')"));
+        }
       }
     }
+    for (const auto* part : {&layout_.before, &layout_.after}) {
+      for (const auto& tensor : *part) outside_[tensor.name] = &tensor.shape;
+    }
+    for (const auto& tensor : layout_.block) per_block_[tensor.name] = &tensor.shape;
   }
-  std::map<std::string, const std::vector<int64_t>*> outside, per_block;
-  for (const auto* part : {&layout.before, &layout.after}) {
-    for (const auto& tensor : *part) outside[tensor.name] = &tensor.shape;
-  }
-  for (const auto& tensor : layout.block) per_block[tensor.name] = &tensor.shape;
-  const auto expected_shape = [&](const std::string& name) -> const std::vector<int64_t>* {
-    if (const auto found = outside.find(name); found != outside.end()) return found->second;
-    const auto in_block = block_name(name, config.n_layers);
+
+  // The shape the model expects of tensor `name`, or nullptr where it has no such tensor.
+  const std::vector<int64_t>* shape_of(const std::string& name) const {
+    if (const auto found = outside_.find(name); found != outside_.end()) return found->second;
+    const auto in_block = block_name(name, n_layers_);
     if (!in_block.has_value()) return nullptr;
-    const auto found = per_block.find(in_block->second);
-    return found == per_block.end() ? nullptr : found->second;
-  };
+    const auto found = per_block_.find(in_block->second);
+    return found == per_block_.end() ? nullptr : found->second;
+  }
+
   // Calls visit(name) for the model's tensor names in order until it returns false.
-  const auto for_expected_names = [&](const auto& visit) {
-    for (const auto& tensor : layout.before) {
+  template <typename Visit>
+  void for_each_name(const Visit& visit) const {
+    for (const auto& tensor : layout_.before) {
       if (!visit(tensor.name)) return;
     }
-    for (int64_t i = 0; i < config.n_layers; ++i) {
-      for (const auto& tensor : layout.block) {
+    for (int64_t i = 0; i < n_layers_; ++i) {
+      for (const auto& tensor : layout_.block) {
         if (!visit(concat("blocks.", i, ".", tensor.name))) return;
       }
     }
-    for (const auto& tensor : layout.after) {
+    for (const auto& tensor : layout_.after) {
       if (!visit(tensor.name)) return;
     }
-  };
+  }
 
+  Count tensors() const { return Count{per_block_.size()}.times(static_cast<uint64_t>(n_layers_)).add(outside_.size()); }
+
+  Count parameters() const {
+    Count block;
+    for (const auto& tensor : layout_.block) block.add(static_cast<uint64_t>(numel(tensor.shape)));
+    Count total = block.times(static_cast<uint64_t>(n_layers_));
+    for (const auto* part : {&layout_.before, &layout_.after}) {
+      for (const auto& tensor : *part) total.add(static_cast<uint64_t>(numel(tensor.shape)));
+    }
+    return total;
+  }
+
+ private:
+  const Layout layout_;
+  const int64_t n_layers_;
+  std::map<std::string, const std::vector<int64_t>*> outside_, per_block_;
+};
+
+// The file lacks some of the model's tensors: names the first of them, and says so first where the
+// config asks for more bytes than the file holds (n_layers = 10**6, say).
+[[noreturn]] void missing_tensors(const ModelTensors& model, const SafetensorsFile& file,
+                                  const std::string& config_source) {
+  const auto source = file.path().string();
+  std::vector<std::string> missing;
+  model.for_each_name([&](const std::string& name) {
+    if (!file.contains(name)) missing.push_back(name);
+    return missing.size() < 9;
+  });
+  uint64_t held = 0;
+  for (const auto& [_, entry] : file.entries()) held += entry.end - entry.begin;
+  const auto dtype = file.entries().empty() ? at::kFloat : file.entries().begin()->second.dtype;
+  const Count n_params = model.parameters();
+  const Count needed = n_params.times(c10::elementSize(dtype));
+  if (needed.over || needed.value > held) {
+    throw FormatError(concat(config_source, " describes a model of ", n_params.text(), " parameters (", needed.text(),
+                             " bytes as ", safetensors_dtype_name(dtype), ") but ", source, " holds ", held,
+                             " bytes; missing tensor(s) ", listing(missing)));
+  }
+  throw FormatError(concat(source, ": missing tensor(s) ", listing(missing)));
+}
+
+// Checks the file's header against config (checkpoints.py's check_header: the same rules, order and
+// messages); returns the model's dtype. Costs time and memory in the header's size only.
+at::ScalarType check_header(const GPTConfig& config, const SafetensorsFile& file, const std::string& config_source) {
+  const auto source = file.path().string();
+  const auto& entries = file.entries();  // sorted by name
+  check_dtypes(file);
+  const ModelTensors model(config, config_source);
   std::vector<std::string> unexpected;
   for (const auto& [name, _] : entries) {
-    if (expected_shape(name) == nullptr) unexpected.push_back(name);
+    if (model.shape_of(name) == nullptr) unexpected.push_back(name);
   }
   if (!unexpected.empty()) {
     throw FormatError(concat(source, ": unexpected tensor(s) ", listing(unexpected), " (not in the model that ",
                              config_source, " describes)"));
   }
   // Every name in the file is expected: the missing ones are found within entries.size() + 9 names.
-  const auto n_layers = static_cast<uint64_t>(config.n_layers);
-  Count n_tensors = Count{per_block.size()}.times(n_layers);
-  n_tensors.add(outside.size());
-  if (n_tensors.over || entries.size() < n_tensors.value) {
-    std::vector<std::string> missing;
-    for_expected_names([&](const std::string& name) {
-      if (!file.contains(name)) missing.push_back(name);
-      return missing.size() < 9;
-    });
-    Count block_params;
-    for (const auto& tensor : layout.block) block_params.add(static_cast<uint64_t>(numel(tensor.shape)));
-    Count n_params = block_params.times(n_layers);
-    for (const auto* part : {&layout.before, &layout.after}) {
-      for (const auto& tensor : *part) n_params.add(static_cast<uint64_t>(numel(tensor.shape)));
-    }
-    uint64_t held = 0;
-    for (const auto& [_, entry] : entries) held += entry.end - entry.begin;
-    const auto dtype = entries.empty() ? at::kFloat : entries.begin()->second.dtype;
-    const Count needed = n_params.times(c10::elementSize(dtype));
-    if (needed.over || needed.value > held) {  // a config asking for more than the file holds (n_layers = 10**6, say)
-      throw FormatError(concat(config_source, " describes a model of ", n_params.text(), " parameters (", needed.text(),
-                               " bytes as ", safetensors_dtype_name(dtype), ") but ", source, " holds ", held,
-                               " bytes; missing tensor(s) ", listing(missing)));
-    }
-    throw FormatError(concat(source, ": missing tensor(s) ", listing(missing)));
-  }
+  const Count n_tensors = model.tensors();
+  if (n_tensors.over || entries.size() < n_tensors.value) missing_tensors(model, file, config_source);
   // Now the file holds every name of the model and no other: a shape that differs is the only way
   // left for it to hold fewer (or more) bytes than the model needs.
-  for_expected_names([&](const std::string& name) {
+  model.for_each_name([&](const std::string& name) {
     const auto& shape = entries.at(name).shape;
-    const auto* want = expected_shape(name);
+    const auto* want = model.shape_of(name);
     if (shape != *want) {
       throw FormatError(concat(source, ": tensor '", name, "' has shape ", shape_string(shape), "; the model (",
                                config_source, ") expects ", shape_string(*want)));

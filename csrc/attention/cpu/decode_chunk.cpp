@@ -1,0 +1,228 @@
+// The decode kernel: a few query rows against a chunk of cached keys and values (dot products, the
+// softmax update and the weighted sum of the values, each row read once per query).
+#include "cpu/exp.h"
+#include "cpu/families.h"
+#include "cpu/vec.h"
+
+namespace causal_attention::tile::CPU_CAPABILITY {
+namespace {
+
+// s[r] = sum_d a[d] * b[r * ld + d] for r < R: a (acc_t) is read once for R rows of b (scalar_t;
+// bfloat16/half widened in registers). Each row sums its products in W lanes of acc_t (float32 for
+// bfloat16/half), then across the lanes; a scalar tail past the last whole vector.
+template <int R, typename scalar_t, typename acc_t>
+inline void dot_rows(const acc_t* a, const scalar_t* b, int64_t ld, int64_t hd, acc_t* s) {
+  int64_t d = 0;
+  acc_t sum[R] = {};
+  if constexpr (std::is_same_v<scalar_t, acc_t> || kReduced<scalar_t>) {
+    constexpr int64_t W = Vec<acc_t>::size();
+    if (hd >= W) {
+      Vec<acc_t> acc[R];
+      for (int r = 0; r < R; ++r) {
+        acc[r] = Vec<acc_t>(0);
+      }
+      for (; d + W <= hd; d += W) {
+        const Vec<acc_t> va = Vec<acc_t>::loadu(a + d);
+        for (int r = 0; r < R; ++r) {
+          acc[r] = at::vec::fmadd(va, load_acc<acc_t>(b + r * ld + d), acc[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        sum[r] = at::vec::vec_reduce_all<acc_t>(std::plus<Vec<acc_t>>(), acc[r]);
+      }
+    }
+  }
+  for (; d < hd; ++d) {
+    for (int r = 0; r < R; ++r) {
+      sum[r] += a[d] * static_cast<acc_t>(b[r * ld + d]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    s[r] = sum[r];
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+constexpr bool kBlockDots = true;
+
+// Lane r of the result = the sum of the W lanes of a[r], r < W: the W vectors transposed and added
+// in a tree (log2 W steps of shuffles and adds for all W sums at once, instead of a reduction per
+// vector).
+#if defined(CPU_CAPABILITY_AVX512)
+// (The all-lanes masked forms: GCC 12 warns of an uninitialized variable inside the unmasked ones.)
+inline __m512 unpacklo(__m512 x, __m512 y) { return _mm512_mask_unpacklo_ps(x, 0xFFFF, x, y); }
+inline __m512 unpackhi(__m512 x, __m512 y) { return _mm512_mask_unpackhi_ps(x, 0xFFFF, x, y); }
+inline __m512d unpacklo(__m512d x, __m512d y) { return _mm512_mask_unpacklo_pd(x, 0xFF, x, y); }
+inline __m512d unpackhi(__m512d x, __m512d y) { return _mm512_mask_unpackhi_pd(x, 0xFF, x, y); }
+template <int kImm>
+inline __m512 shuffle128(__m512 x, __m512 y) { return _mm512_mask_shuffle_f32x4(x, 0xFFFF, x, y, kImm); }
+
+inline Vec<float> sum_lanes(const Vec<float> (&a)[16]) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i) {  // b[i]: per 128-bit lane, two partial sums each of a[2i] and a[2i + 1]
+    const __m512 x = a[2 * i], y = a[2 * i + 1];
+    b[i] = _mm512_add_ps(unpacklo(x, y), unpackhi(x, y));
+  }
+  for (int i = 0; i < 4; ++i) {  // c[i]: per 128-bit lane, one partial sum each of a[4i .. 4i + 3]
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(unpacklo(x, y)), _mm512_castpd_ps(unpackhi(x, y)));
+  }
+  for (int i = 0; i < 2; ++i) {  // d[i]: 128-bit lanes (c[2i] lanes 0+1, 2+3, c[2i+1] lanes 0+1, 2+3)
+    d[i] = _mm512_add_ps(shuffle128<0x88>(c[2 * i], c[2 * i + 1]), shuffle128<0xdd>(c[2 * i], c[2 * i + 1]));
+  }
+  return _mm512_add_ps(shuffle128<0x88>(d[0], d[1]), shuffle128<0xdd>(d[0], d[1]));
+}
+#else
+inline Vec<float> sum_lanes(const Vec<float> (&a)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // 128-bit halves: a[0..3] / a[4..7]
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+// s[r] = sum_d a[d] * b[r * ld + d] for the W = Vec<float>::size() rows r < W of b (float32, or
+// bfloat16/half widened in registers): row by row (so memory is read in address order), each row
+// sums its products in W lanes, sum_lanes adds the W rows' lanes at once, then a scalar tail past the
+// last whole vector.
+template <typename scalar_t>
+inline void dot_block(const float* a, const scalar_t* b, int64_t ld, int64_t hd, float* s) {
+  constexpr int W = Vec<float>::size();
+  const int64_t whole = hd / W * W;
+  Vec<float> acc[W];
+  for (int r = 0; r < W; ++r) {
+    const scalar_t* row = b + r * ld;
+    Vec<float> sum(0.f);
+    for (int64_t d = 0; d < whole; d += W) {
+      sum = at::vec::fmadd(Vec<float>::loadu(a + d), load_acc<float>(row + d), sum);
+    }
+    acc[r] = sum;
+  }
+  sum_lanes(acc).store(s);
+  for (int64_t d = whole; d < hd; ++d) {
+    for (int r = 0; r < W; ++r) {
+      s[r] += a[d] * static_cast<float>(b[r * ld + d]);
+    }
+  }
+}
+#else
+constexpr bool kBlockDots = false;
+#endif
+
+// o[u * W + w] = o[.] * alpha + sum_j p[j] * v[j * ld + u * W + w] for u < U: U vectors of o stay in
+// registers while the n value rows stream past once (bfloat16/half widened in registers). Where the
+// registers allow, the even and the odd j sum in two chains, added at the end: a chain of dependent
+// fused multiply-adds waits their latency for every row, two halve that wait.
+template <int U, typename scalar_t, typename acc_t>
+inline void weighted_block(const acc_t* p, const scalar_t* v, int64_t ld, int64_t n, acc_t alpha, acc_t* o) {
+  constexpr int64_t W = Vec<acc_t>::size();
+  constexpr int kChains = 2 * U <= W ? 2 : 1;  // 2U accumulators: up to 8 of AVX2's 16 registers, 16 of AVX512's 32
+  const Vec<acc_t> valpha(alpha);
+  Vec<acc_t> acc[kChains][U];
+  for (int u = 0; u < U; ++u) {
+    acc[0][u] = Vec<acc_t>::loadu(o + u * W) * valpha;
+    if constexpr (kChains == 2) {
+      acc[1][u] = Vec<acc_t>(0);
+    }
+  }
+  int64_t j = 0;
+  for (; j + kChains <= n; j += kChains) {
+    for (int c = 0; c < kChains; ++c) {
+      const Vec<acc_t> pj(p[j + c]);
+      const scalar_t* row = v + (j + c) * ld;
+      for (int u = 0; u < U; ++u) {
+        acc[c][u] = at::vec::fmadd(pj, load_acc<acc_t>(row + u * W), acc[c][u]);
+      }
+    }
+  }
+  for (; j < n; ++j) {
+    const Vec<acc_t> pj(p[j]);
+    const scalar_t* row = v + j * ld;
+    for (int u = 0; u < U; ++u) {
+      acc[0][u] = at::vec::fmadd(pj, load_acc<acc_t>(row + u * W), acc[0][u]);
+    }
+  }
+  for (int u = 0; u < U; ++u) {
+    if constexpr (kChains == 2) {
+      acc[0][u] = acc[0][u] + acc[1][u];
+    }
+    acc[0][u].store(o + u * W);
+  }
+}
+
+// o[d] = o[d] * alpha + sum_j p[j] * v[j * ld + d]: blocks of up to 8 vectors of o (hd = 64 is one
+// block on AVX2 and AVX512), so each value row is read once per query; a scalar tail past them.
+template <typename scalar_t, typename acc_t>
+inline void weighted_rows(const acc_t* p, const scalar_t* v, int64_t ld, int64_t n, int64_t hd, acc_t alpha,
+                          acc_t* o) {
+  int64_t d0 = 0;
+  if constexpr (std::is_same_v<scalar_t, acc_t> || kReduced<scalar_t>) {
+    constexpr int64_t W = Vec<acc_t>::size();
+    for (; d0 + 8 * W <= hd; d0 += 8 * W) {
+      weighted_block<8>(p, v + d0, ld, n, alpha, o + d0);
+    }
+    if (d0 + 4 * W <= hd) {
+      weighted_block<4>(p, v + d0, ld, n, alpha, o + d0);
+      d0 += 4 * W;
+    }
+    if (d0 + 2 * W <= hd) {
+      weighted_block<2>(p, v + d0, ld, n, alpha, o + d0);
+      d0 += 2 * W;
+    }
+    if (d0 + W <= hd) {
+      weighted_block<1>(p, v + d0, ld, n, alpha, o + d0);
+      d0 += W;
+    }
+  }
+  for (int64_t d = d0; d < hd; ++d) {
+    acc_t acc = o[d] * alpha;
+    for (int64_t j = 0; j < n; ++j) {
+      acc += p[j] * static_cast<acc_t>(v[j * ld + d]);
+    }
+    o[d] = acc;
+  }
+}
+
+// Each query row's scores over the chunk's keys (one pass over the keys), its softmax update, then
+// its weighted sum of the values (one pass over the values). No software prefetch: each pass reads
+// its rows in address order, which the hardware's stream prefetchers follow (with the cache on huge
+// pages, software prefetching only costs time).
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_t* v, int64_t ld, int64_t n,
+                  int64_t hd, acc_t scale, int64_t causal_offset, acc_t* m, acc_t* l, acc_t* o, acc_t* buf) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t visible = std::clamp<int64_t>(i + causal_offset + 1, 0, n);
+    if (visible == 0) {
+      continue;
+    }
+    constexpr int kKeys = 8;  // keys per pass over the query row
+    int64_t j = 0;
+    if constexpr (kBlockDots && std::is_same_v<acc_t, float>) {
+      constexpr int64_t W = Vec<float>::size();  // keys per block
+      for (; j + W <= visible; j += W) {
+        dot_block(q + i * hd, k + j * ld, ld, hd, buf + j);
+      }
+    }
+    for (; j + kKeys <= visible; j += kKeys) {
+      dot_rows<kKeys>(q + i * hd, k + j * ld, ld, hd, buf + j);
+    }
+    for (; j < visible; ++j) {
+      dot_rows<1>(q + i * hd, k + j * ld, ld, hd, buf + j);
+    }
+    const acc_t m_new = std::max(scale * max_of(buf, visible), m[i]);  // a NaN score stays (NaN out)
+    const acc_t alpha = std::exp(m[i] - m_new);  // 0 when m[i] = -inf
+    l[i] = l[i] * alpha + exp_scaled_inplace(buf, visible, scale, m_new);
+    m[i] = m_new;
+    weighted_rows(buf, v, ld, visible, hd, alpha, o + i * hd);
+  }
+}
+
+}  // namespace
+
+template <typename scalar_t>
+void set_decode_ops(TileOps<scalar_t>& ops) {
+  ops.decode_chunk = &decode_chunk<scalar_t>;
+}
+CA_INSTANTIATE_TILE_FAMILY(set_decode_ops)
+
+}  // namespace causal_attention::tile::CPU_CAPABILITY

@@ -1,0 +1,268 @@
+// The float32 panel GEMM of the tile products (AVX2 and AVX512 builds; the DEFAULT build leaves the
+// products to BLAS) and the packing of its B operand into panels.
+#include "attention/cpu/zmm_gemm.h"
+#include "cpu/families.h"
+#include "cpu/vec.h"
+
+namespace causal_attention::tile::CPU_CAPABILITY {
+namespace {
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// Lanes [0, 8) of a 256-bit mask for the first `count` of 8 floats (count clamped to [0, 8]).
+inline __m256i lane_mask(int64_t count) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(count, 0, 8))), lanes);
+}
+
+// R rows of C (kPanel columns, of which `cols` <= kPanel are real) += / = A . B over k: 2R accumulators.
+// kTail: the last panel, whose B and C reads and C writes are masked to `cols` columns.
+template <int R, bool kTail, bool kAccumulate>
+inline void panel_block(int64_t k, const float* a, int64_t rs_a, int64_t cs_a, const float* b, int64_t ld_b,
+                        float* c, int64_t ldc, int64_t cols) {
+  const __m256i m0 = kTail ? lane_mask(cols) : __m256i{};
+  const __m256i m1 = kTail ? lane_mask(cols - 8) : __m256i{};
+  __m256 acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    if constexpr (!kAccumulate) {
+      acc[r][0] = _mm256_setzero_ps();
+      acc[r][1] = _mm256_setzero_ps();
+    } else if constexpr (kTail) {
+      acc[r][0] = _mm256_maskload_ps(c + r * ldc, m0);
+      acc[r][1] = _mm256_maskload_ps(c + r * ldc + 8, m1);
+    } else {
+      acc[r][0] = _mm256_loadu_ps(c + r * ldc);
+      acc[r][1] = _mm256_loadu_ps(c + r * ldc + 8);
+    }
+  }
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const float* brow = b + kk * ld_b;
+    const __m256 b0 = kTail ? _mm256_maskload_ps(brow, m0) : _mm256_loadu_ps(brow);
+    const __m256 b1 = kTail ? _mm256_maskload_ps(brow + 8, m1) : _mm256_loadu_ps(brow + 8);
+    const float* acol = a + kk * cs_a;
+  #pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+      const __m256 av = _mm256_broadcast_ss(acol + r * rs_a);
+      acc[r][0] = _mm256_fmadd_ps(av, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(av, b1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    if constexpr (kTail) {
+      _mm256_maskstore_ps(c + r * ldc, m0, acc[r][0]);
+      _mm256_maskstore_ps(c + r * ldc + 8, m1, acc[r][1]);
+    } else {
+      _mm256_storeu_ps(c + r * ldc, acc[r][0]);
+      _mm256_storeu_ps(c + r * ldc + 8, acc[r][1]);
+    }
+  }
+}
+
+// All rows of one panel: blocks of 6 rows, then the remainder.
+template <bool kTail, bool kAccumulate>
+void panel_rows(int64_t m, int64_t k, const float* a, int64_t rs_a, int64_t cs_a, const float* b, int64_t ld_b,
+                float* c, int64_t ldc, int64_t cols) {
+  constexpr int kRows = 6;  // 12 accumulators + 2 B rows + a broadcast: 15 of the 16 ymm registers
+  int64_t i = 0;
+  for (; i + kRows <= m; i += kRows) {
+    panel_block<kRows, kTail, kAccumulate>(k, a + i * rs_a, rs_a, cs_a, b, ld_b, c + i * ldc, ldc, cols);
+  }
+  const float* a_rest = a + i * rs_a;
+  float* c_rest = c + i * ldc;
+  switch (m - i) {
+    case 5: panel_block<5, kTail, kAccumulate>(k, a_rest, rs_a, cs_a, b, ld_b, c_rest, ldc, cols); break;
+    case 4: panel_block<4, kTail, kAccumulate>(k, a_rest, rs_a, cs_a, b, ld_b, c_rest, ldc, cols); break;
+    case 3: panel_block<3, kTail, kAccumulate>(k, a_rest, rs_a, cs_a, b, ld_b, c_rest, ldc, cols); break;
+    case 2: panel_block<2, kTail, kAccumulate>(k, a_rest, rs_a, cs_a, b, ld_b, c_rest, ldc, cols); break;
+    case 1: panel_block<1, kTail, kAccumulate>(k, a_rest, rs_a, cs_a, b, ld_b, c_rest, ldc, cols); break;
+    default: break;
+  }
+}
+
+#if !defined(CPU_CAPABILITY_AVX512)  // (the AVX512 build has panel_gemm512)
+// Panel by panel: each panel's k x kPanel slice of B stays in L1 while every row of A passes.
+void panel_gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t rs_a, int64_t cs_a, const float* b,
+                int64_t ld_b, int64_t ps_b, bool accumulate, float* c, int64_t ldc) {
+  for (int64_t j0 = 0; j0 < n; j0 += kPanel) {
+    const float* panel = b + (j0 / kPanel) * ps_b;
+    const int64_t cols = std::min(kPanel, n - j0);
+    const auto rows = cols < kPanel ? (accumulate ? &panel_rows<true, true> : &panel_rows<true, false>)
+                                    : (accumulate ? &panel_rows<false, true> : &panel_rows<false, false>);
+    rows(m, k, a, rs_a, cs_a, panel, ld_b, c + j0, ldc, cols);
+  }
+}
+#endif
+
+// dst[r * ld_dst + c] = src[c * ld_src + r] for r, c < 8.
+inline void transpose_8x8(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
+  __m256 r[8];
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm256_loadu_ps(src + i * ld_src);
+  }
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  _mm256_storeu_ps(dst + 0 * ld_dst, _mm256_permute2f128_ps(u0, u4, 0x20));
+  _mm256_storeu_ps(dst + 1 * ld_dst, _mm256_permute2f128_ps(u1, u5, 0x20));
+  _mm256_storeu_ps(dst + 2 * ld_dst, _mm256_permute2f128_ps(u2, u6, 0x20));
+  _mm256_storeu_ps(dst + 3 * ld_dst, _mm256_permute2f128_ps(u3, u7, 0x20));
+  _mm256_storeu_ps(dst + 4 * ld_dst, _mm256_permute2f128_ps(u0, u4, 0x31));
+  _mm256_storeu_ps(dst + 5 * ld_dst, _mm256_permute2f128_ps(u1, u5, 0x31));
+  _mm256_storeu_ps(dst + 6 * ld_dst, _mm256_permute2f128_ps(u2, u6, 0x31));
+  _mm256_storeu_ps(dst + 7 * ld_dst, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+void pack_panels(const float* src, int64_t rs, int64_t cs, int64_t k, int64_t n, float* dst) {
+  for (int64_t j0 = 0; j0 < n; j0 += kPanel) {
+    float* panel = dst + (j0 / kPanel) * k * kPanel;
+    const int64_t width = std::min(kPanel, n - j0);
+    if (width < kPanel) {
+      std::fill(panel, panel + k * kPanel, 0.0f);
+    }
+    if (cs == 1 && width == kPanel) {  // rows of kPanel contiguous values: one copy per row
+      for (int64_t kk = 0; kk < k; ++kk) {
+        _mm256_storeu_ps(panel + kk * kPanel, _mm256_loadu_ps(src + kk * rs + j0));
+        _mm256_storeu_ps(panel + kk * kPanel + 8, _mm256_loadu_ps(src + kk * rs + j0 + 8));
+      }
+      continue;
+    }
+    int64_t j = 0;
+    if (rs == 1) {  // runs of contiguous values (keys as rows): 8 x 8 blocks through registers
+      for (; j + 8 <= width; j += 8) {
+        int64_t kk = 0;
+        for (; kk + 8 <= k; kk += 8) {
+          transpose_8x8(src + (j0 + j) * cs + kk, cs, panel + kk * kPanel + j, kPanel);
+        }
+        for (; kk < k; ++kk) {
+          for (int64_t jj = j; jj < j + 8; ++jj) {
+            panel[kk * kPanel + jj] = src[(j0 + jj) * cs + kk];
+          }
+        }
+      }
+    }
+    // Column j of the panel is a run of k values src[j * cs + kk * rs]: read each run in order.
+    for (; j < width; ++j) {
+      const float* col = src + (j0 + j) * cs;
+      for (int64_t kk = 0; kk < k; ++kk) {
+        panel[kk * kPanel + j] = col[kk * rs];
+      }
+    }
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The AVX-512 build of panel_gemm: the same products in the same order (one fused multiply-add per
+// product, k in order, from C or 0), so the same bits, with a panel row in one zmm register: R rows x
+// NP (1 or 2) panels of C in registers, each B vector feeding R products, each A value NP. (A CPU with
+// two 512-bit FMA units does twice the 256-bit kernel's work per cycle.)
+template <int R, int NP, bool kAccumulate>
+inline void panel_block512(int64_t k, const float* a, int64_t rs_a, int64_t cs_a, const float* b, int64_t ld_b,
+                           int64_t ps_b, float* c, int64_t ldc, __mmask16 mask0, __mmask16 mask1) {
+  __m512 acc[R][NP];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+    for (int q = 0; q < NP; ++q) {
+      acc[r][q] = kAccumulate ? _mm512_maskz_loadu_ps(q == 0 ? mask0 : mask1, c + r * ldc + q * kPanel)
+                              : _mm512_setzero_ps();
+    }
+  }
+  for (int64_t kk = 0; kk < k; ++kk) {
+    __m512 bv[NP];
+#pragma GCC unroll 2
+    for (int q = 0; q < NP; ++q) {  // masked: nothing past n is read (B may be rows in place)
+      bv[q] = _mm512_maskz_loadu_ps(q == 0 ? mask0 : mask1, b + q * ps_b + kk * ld_b);
+    }
+    const float* acol = a + kk * cs_a;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(acol[r * rs_a]);
+#pragma GCC unroll 2
+      for (int q = 0; q < NP; ++q) {
+        acc[r][q] = _mm512_fmadd_ps(av, bv[q], acc[r][q]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+    for (int q = 0; q < NP; ++q) {
+      _mm512_mask_storeu_ps(c + r * ldc + q * kPanel, q == 0 ? mask0 : mask1, acc[r][q]);
+    }
+  }
+}
+
+// panel_block512 as the zmm drivers call it.
+struct FloatBlocks {
+  using A = float;
+  using B = float;
+  template <int R, int NP, bool kAccumulate>
+  static void block(int64_t k, const A* a, int64_t rs_a, int64_t cs_a, const B* b, int64_t ld_b, int64_t ps_b,
+                    float* c, int64_t ldc, __mmask16 mask0, __mmask16 mask1) {
+    panel_block512<R, NP, kAccumulate>(k, a, rs_a, cs_a, b, ld_b, ps_b, c, ldc, mask0, mask1);
+  }
+};
+
+void panel_gemm512(int64_t m, int64_t n, int64_t k, const float* a, int64_t rs_a, int64_t cs_a, const float* b,
+                   int64_t ld_b, int64_t ps_b, bool accumulate, float* c, int64_t ldc) {
+  zmm_gemm<FloatBlocks>(m, n, k, a, rs_a, cs_a, b, ld_b, ps_b, accumulate, c, ldc);
+}
+#endif
+
+// bfloat16 / half: the same layout, widened to float32 (exactly).
+template <typename scalar_t>
+void pack_panels_widened(const scalar_t* src, int64_t rs, int64_t cs, int64_t k, int64_t n, float* dst) {
+  constexpr int64_t W = Vec<float>::size();
+  for (int64_t j0 = 0; j0 < n; j0 += kPanel) {
+    float* panel = dst + (j0 / kPanel) * k * kPanel;
+    const int64_t width = std::min(kPanel, n - j0);
+    if (cs == 1 && width == kPanel) {
+      for (int64_t kk = 0; kk < k; ++kk) {
+        for (int64_t j = 0; j < kPanel; j += W) {
+          load_widened(src + kk * rs + j0 + j).store(panel + kk * kPanel + j);
+        }
+      }
+      continue;
+    }
+    if (width < kPanel) {
+      std::fill(panel, panel + k * kPanel, 0.0f);
+    }
+    for (int64_t j = 0; j < width; ++j) {
+      const scalar_t* col = src + (j0 + j) * cs;
+      for (int64_t kk = 0; kk < k; ++kk) {
+        panel[kk * kPanel + j] = static_cast<float>(col[kk * rs]);
+      }
+    }
+  }
+}
+
+#endif
+
+}  // namespace
+
+template <typename scalar_t>
+void set_panel_gemm_ops(TileOps<scalar_t>& ops) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    ops.panel_gemm = &panel_gemm512;
+#else
+    ops.panel_gemm = &panel_gemm;
+#endif
+    ops.pack_panels = &pack_panels;
+  } else if constexpr (kReduced<scalar_t>) {
+    ops.pack_panels = &pack_panels_widened<scalar_t>;
+  }
+#else
+  (void)ops;
+#endif
+}
+CA_INSTANTIATE_TILE_FAMILY(set_panel_gemm_ops)
+
+}  // namespace causal_attention::tile::CPU_CAPABILITY
