@@ -50,7 +50,7 @@ test-cpp: install
 	ctest --test-dir $(BUILD) --output-on-failure
 
 test-py: install
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=25
 
 test: test-cpp test-py
 
