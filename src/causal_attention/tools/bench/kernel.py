@@ -260,6 +260,21 @@ def _rows(level: str, dtype: torch.dtype, T: int, mask_name: str, fwd_times: dic
     return rows
 
 
+def _new_report(B: int, H: int, hd: int, dtypes: tuple[torch.dtype, ...]) -> Report:
+    """An empty report holding this machine's ceilings: torch.mm per dtype and a large copy."""
+    ceilings = {_name(dt): mm_ceiling(dt) for dt in dtypes}
+    sources = {}
+    if "bfloat16" in ceilings:  # never below sgemm's: see the module docstring
+        f32 = ceilings.get("float32") or mm_ceiling(torch.float32)
+        if f32[0] > ceilings["bfloat16"][0]:
+            sources["bfloat16"] = f"float32 mm; torch's bfloat16 mm: {ceilings['bfloat16'][0]:.0f} GFLOP/s"
+            ceilings["bfloat16"] = f32
+    return Report(B=B, H=H, hd=hd, threads=torch.get_num_threads(),
+                  capability=str(torch.ops.causal_attention.cpu_capability()),
+                  mm_gflops={k: v[0] for k, v in ceilings.items()}, mm_n={k: v[1] for k, v in ceilings.items()},
+                  copy_gbs=copy_ceiling(), mm_source=sources, bf16_dot_products=bf16_dot_products())
+
+
 def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repeats: int = 5,
               dtypes: tuple[torch.dtype, ...] = (torch.float32,), memory_lengths: tuple[int, ...] = (4096, 8192),
               backward: bool = True, decode_shape: tuple[int, int, int, int] | None = (8, 2048, 768, 12),
@@ -268,17 +283,7 @@ def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repe
     """The kernel rows, and with module the module rows, for every dtype and T (causal and padded;
     with flex, compiled FlexAttention among the kernels), peak memory at memory_lengths, and the
     generation rows at decode_shape = (B, ctx, dim, H) unless None."""
-    ceilings = {_name(dt): mm_ceiling(dt) for dt in dtypes}
-    sources = {}
-    if "bfloat16" in ceilings:  # never below sgemm's: see the module docstring
-        f32 = ceilings.get("float32") or mm_ceiling(torch.float32)
-        if f32[0] > ceilings["bfloat16"][0]:
-            sources["bfloat16"] = f"float32 mm; torch's bfloat16 mm: {ceilings['bfloat16'][0]:.0f} GFLOP/s"
-            ceilings["bfloat16"] = f32
-    report = Report(B=B, H=H, hd=hd, threads=torch.get_num_threads(),
-                    capability=str(torch.ops.causal_attention.cpu_capability()),
-                    mm_gflops={k: v[0] for k, v in ceilings.items()}, mm_n={k: v[1] for k, v in ceilings.items()},
-                    copy_gbs=copy_ceiling(), mm_source=sources, bf16_dot_products=bf16_dot_products())
+    report = _new_report(B, H, hd, dtypes)
     report.skipped.append(f"reference and nn.MultiheadAttention above T={MATERIALISING_MAX_T}: they materialise "
                           "B*H*T*T scores (6+ GB with their backward at T=4096)")
     dim = H * hd
@@ -296,8 +301,7 @@ def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repe
             with torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096):
                 fwd = _timed(impls, qkv, repeats, backward=False)
             trainable = {k: fn for k, fn in impls.items() if k not in FORWARD_ONLY}
-            # As many rounds as the forward: with 3, the causal fwd+bwd target at T=4096 read 1.27x
-            # in one run and 1.33-1.45x in three others on the same backward code.
+            # As many rounds as the forward: fewer left the fwd+bwd ratios unstable from run to run.
             fb = _timed(trainable, qkv, repeats, backward=True) if backward else None
             mm_gflops = report.mm_gflops[_name(dtype)]
             report.rows += _rows("kernel", dtype, T, mask_name, fwd, fb, attn_flops, mm_gflops, baseline)
