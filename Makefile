@@ -1,7 +1,7 @@
 # make test : set up everything on a fresh machine, then run the C++ and Python tests.
 # make demo : set up, then run the main job (python -m causal_attention demo).
 # make fuzz : set up, then 10,000 property-based examples against the float64 reference on each
-#             instruction-set path this CPU runs (tests/fuzz_main.py).
+#             instruction-set path this CPU runs (tests/attention/fuzz_main.py).
 SHELL := /bin/bash
 PY    := .venv/bin/python
 PIP   := $(PY) -m pip
@@ -50,14 +50,14 @@ test-cpp: install
 	ctest --test-dir $(BUILD) --output-on-failure
 
 test-py: install
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=25
 
 test: test-cpp test-py
 
 # A fixed seed: the same 10,000 examples every run; prints the count, failures and worst errors.
 FUZZ_THREADS ?= 1
 fuzz: install
-	$(PY) tests/fuzz_main.py --examples 10000 --threads $(FUZZ_THREADS)
+	$(PY) tests/attention/fuzz_main.py --examples 10000 --threads $(FUZZ_THREADS)
 
 demo: install
 	$(PY) -m causal_attention demo

@@ -6,8 +6,8 @@
 """
 
 from ._paths import cmake_prefix_path as cmake_prefix_path
-from .cache import KVCache
-from .module import CausalSelfAttention
+from .attention import CausalSelfAttention, KVCache
+from .models import GPT, GPTConfig
 
-__all__ = ["CausalSelfAttention", "KVCache"]
+__all__ = ["GPT", "CausalSelfAttention", "GPTConfig", "KVCache"]
 __version__ = "0.1.0"

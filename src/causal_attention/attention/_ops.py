@@ -1,0 +1,274 @@
+"""Loads the compiled engine (libcausal_attention.so), which registers torch.ops.causal_attention.*.
+
+The engine missing (a source checkout that was never built, a platform without a build) is not an
+error: the module falls back to the ``sdpa`` backend and warns once (see ``backends.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from . import reference
+
+_LIBRARY_NAME = "libcausal_attention.so"
+
+
+def _load() -> str | None:
+    """Loads the compiled core; returns why it could not be loaded, or None when it is loaded."""
+    path = Path(__file__).resolve().parent.parent / _LIBRARY_NAME  # installed at the package's top
+    if not path.exists():
+        return f"{path} does not exist (build the package: make install)"
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as exc:  # a broken or mismatched build
+        return f"loading {path} failed: {exc}"
+    _register_vmap()
+    return None
+
+
+# The library registers Meta kernels (shapes only) for every op itself (csrc/ops.cpp), so that
+# torch.compile and torch.export trace them without this module. Python adds the rest: autograd
+# as torch.autograd.Functions with setup_context (torch.func transforms work with those, not with
+# an op's C++ or Python Autograd kernel) and vmap rules for the ops.
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """attention_forward's autograd: the fused backward (attention_backward) from the saved lse.
+
+    A torch.autograd.Function with setup_context and a generated vmap rule, so that torch.func
+    transforms (grad, vjp, jacrev, vmap) compose with it (an op's own Autograd kernel would not).
+    Forward mode is _ForwardModeAttention's (eager only: Dynamo refuses a Function with a jvp).
+    """
+
+    generate_vmap_rule = True  # forward and backward call ops with vmap rules (_register_vmap)
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        qkv: Tensor, mask: Tensor | None, n_heads: int, dropout_p: float, seed: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        return torch.ops.causal_attention.attention_forward(qkv, mask, n_heads, dropout_p, seed)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+        qkv, mask, n_heads, dropout_p, seed = inputs
+        out, lse = output
+        ctx.save_for_backward(qkv, mask, out, lse, seed)
+        ctx.n_heads = n_heads
+        ctx.dropout_p = dropout_p
+        ctx.mark_non_differentiable(lse)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]
+        qkv, mask, out, lse, seed = ctx.saved_tensors
+        grad_qkv = _AttentionBackwardFunction.apply(grad_out, qkv, mask, out, lse, ctx.n_heads, ctx.dropout_p, seed)
+        return grad_qkv, None, None, None, None
+
+
+class _AttentionBackwardFunction(torch.autograd.Function):
+    """attention_backward's autograd (double backward: create_graph=True, Hessian-vector products).
+
+    The fused backward has no derivative of its own, so this differentiates the reference, which
+    materialises the (B, H, T, T) weights. out and lse are functions of qkv: their part is in d_qkv.
+    With dropout, the reference uses the forward's keep decisions (dropout_keep_mask of its seed).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        grad_out: Tensor, qkv: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor, n_heads: int, dropout_p: float,
+        seed: Tensor | None,
+    ) -> Tensor:
+        return torch.ops.causal_attention.attention_backward(grad_out, qkv, mask, out, lse, n_heads, dropout_p, seed)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        grad_out, qkv, mask, _out, _lse, n_heads, dropout_p, seed = inputs
+        ctx.save_for_backward(grad_out, qkv, mask, seed)
+        ctx.n_heads = n_heads
+        ctx.dropout_p = dropout_p
+
+    @staticmethod
+    def backward(ctx: Any, grad_grad_qkv: Tensor) -> tuple[Tensor, Tensor, None, None, None, None, None, None]:  # type: ignore[override]
+        grad_out, qkv, mask, seed = ctx.saved_tensors
+        first_grad = _reference_first_grad(qkv, mask, ctx.n_heads, ctx.dropout_p, seed)
+        _, vjp2 = torch.func.vjp(first_grad, grad_out, qkv)
+        d_grad_out, d_qkv = vjp2(grad_grad_qkv)
+        return d_grad_out, d_qkv, None, None, None, None, None, None
+
+
+def _reference_core(qkv: Tensor, mask: Tensor | None, n_heads: int, dropout_p: float,
+                    seed: Tensor | None) -> Callable[[Tensor], Tensor]:
+    """qkv -> the reference's attention output, with the engine's dropout decisions (those of seed)."""
+    keep = None
+    if dropout_p > 0:
+        B, T = qkv.shape[0], qkv.shape[1]
+        keep = torch.ops.causal_attention.dropout_keep_mask(seed, B, n_heads, T, dropout_p)  # (B, H, T, T)
+    return lambda q: reference.attention_core(q, mask, n_heads, dropout_p=dropout_p, keep=keep)[0]
+
+
+def _reference_first_grad(qkv: Tensor, mask: Tensor | None, n_heads: int, dropout_p: float,
+                          seed: Tensor | None) -> Callable[[Tensor, Tensor], Tensor]:
+    """(grad_out, qkv) -> the reference's gradient of qkv: what attention_backward computes, differentiable."""
+    core = _reference_core(qkv, mask, n_heads, dropout_p, seed)
+
+    def first_grad(go: Tensor, q: Tensor) -> Tensor:
+        _, vjp = torch.func.vjp(core, q)
+        return vjp(go)[0]
+
+    return first_grad
+
+
+class _ForwardModeAttentionBackward(_AttentionBackwardFunction):
+    """_AttentionBackwardFunction with forward mode (hessian = jacfwd(jacrev)): the reference's."""
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _AttentionBackwardFunction.setup_context(ctx, inputs, output)
+        grad_out, qkv, mask, _out, _lse, _n_heads, _dropout_p, seed = inputs
+        ctx.save_for_forward(grad_out, qkv, mask, seed)
+
+    @staticmethod
+    def jvp(ctx: Any, grad_out_t: Tensor | None, qkv_t: Tensor | None, *_: Any) -> Tensor | None:  # type: ignore[override]
+        grad_out, qkv, mask, seed = ctx.saved_tensors  # out and lse are functions of qkv: their part is in qkv's
+        if grad_out_t is None and qkv_t is None:
+            return None
+        first_grad = _reference_first_grad(qkv, mask, ctx.n_heads, ctx.dropout_p, seed)
+        tangents = (torch.zeros_like(grad_out) if grad_out_t is None else grad_out_t,
+                    torch.zeros_like(qkv) if qkv_t is None else qkv_t)
+        return torch.func.jvp(first_grad, (grad_out, qkv), tangents)[1]
+
+
+class _ForwardModeAttention(_AttentionFunction):
+    """_AttentionFunction with forward mode (jvp, jacfwd, hessian), which differentiates the reference
+    (it materialises the (B, H, T, T) weights, as the double backward does). Used in eager code only:
+    Dynamo does not trace a Function that defines jvp (torch.compile and torch.export take the parent)."""
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+        _AttentionFunction.setup_context(ctx, inputs, output)
+        qkv, mask, _n_heads, _dropout_p, seed = inputs
+        ctx.save_for_forward(qkv, mask, seed)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]
+        qkv, mask, out, lse, seed = ctx.saved_tensors
+        grad_qkv = _ForwardModeAttentionBackward.apply(grad_out, qkv, mask, out, lse, ctx.n_heads, ctx.dropout_p,
+                                                       seed)
+        return grad_qkv, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, qkv_t: Tensor | None, *_: Any) -> tuple[Tensor | None, None]:  # type: ignore[override]
+        qkv, mask, seed = ctx.saved_tensors
+        if qkv_t is None:
+            return None, None
+        core = _reference_core(qkv, mask, ctx.n_heads, ctx.dropout_p, seed)
+        return torch.func.jvp(core, (qkv,), (qkv_t,))[1], None
+
+
+def draw_seed() -> Tensor:
+    """A dropout seed: a 0-d int64 tensor from torch's default CPU generator (torch.manual_seed
+    reproduces it; torch.compile traces it as graph randomness)."""
+    return torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64)
+
+
+def attention(
+    qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int, dropout_p: float = 0.0, seed: Tensor | None = None
+) -> Tensor:
+    """The fused attention core with autograd (torch.func-compatible): qkv (B, T, 3 * dim),
+    key_padding_mask (B, T) bool or None -> (B, T, dim).
+
+    dropout_p in [0, 1): attention-weight dropout (P_drop = P * keep / (1 - p)), the keep decisions
+    a pure function of seed (a 0-d int64 CPU tensor; drawn with draw_seed() when None) and the
+    weight's (b, h, i, j): torch.ops.causal_attention.dropout_keep_mask gives them.
+    """
+    if dropout_p > 0 and seed is None:
+        seed = draw_seed()
+    function = _AttentionFunction if torch.compiler.is_compiling() else _ForwardModeAttention
+    out, _lse = function.apply(qkv, key_padding_mask, n_heads, dropout_p, seed if dropout_p > 0 else None)
+    return out
+
+
+def _batch_first(x: Tensor, dim: int | None, size: int) -> Tensor:
+    """x with its vmap dimension moved to the front (expanded there when x is not batched)."""
+    return x.movedim(dim, 0) if dim is not None else x.expand(size, *x.shape)
+
+
+def _fold(x: Tensor | None, dim: int | None, size: int) -> Tensor | None:
+    """(N, B, ...) with the vmap dimension first -> (N * B, ...): the vmap batch joins the op's own."""
+    if x is None:
+        return None
+    x = _batch_first(x, dim, size)
+    return x.reshape(size * x.shape[1], *x.shape[2:])
+
+
+def _slice(xs: tuple[Tensor | None, ...], dims: tuple[Any, ...], n: int) -> list[Tensor | None]:
+    """Slice n of each vmapped argument (an argument without a vmap dimension as it is)."""
+    return [x.select(d, n) if (x is not None and d is not None) else x for x, d in zip(xs, dims)]
+
+
+def _register_vmap() -> None:
+    """torch.vmap over the attention ops: the vmapped dimension joins the batch dimension B."""
+
+    # With dropout the keep decisions depend on the batch index b, which folding would change: each
+    # vmapped slice runs on its own (its seed too, when the seed is batched: randomness="different").
+
+    def forward_vmap(  # type: ignore[no-untyped-def]
+        info: Any, in_dims: tuple[Any, ...], qkv: Tensor, mask: Tensor | None, n_heads: int, dropout_p: float = 0.0,
+        seed: Tensor | None = None,
+    ):
+        N = info.batch_size
+        if dropout_p > 0:
+            slices = [
+                torch.ops.causal_attention.attention_forward(
+                    *_slice((qkv, mask), in_dims[:2], n), n_heads, dropout_p, *_slice((seed,), in_dims[4:], n)
+                )
+                for n in range(N)
+            ]
+            return (torch.stack([o for o, _ in slices]), torch.stack([lse for _, lse in slices])), (0, 0)
+        B = _batch_first(qkv, in_dims[0], N).shape[1]
+        out, lse = torch.ops.causal_attention.attention_forward(
+            _fold(qkv, in_dims[0], N), _fold(mask, in_dims[1], N), n_heads
+        )
+        return (out.unflatten(0, (N, B)), lse.unflatten(0, (N, B))), (0, 0)
+
+    def backward_vmap(  # type: ignore[no-untyped-def]
+        info: Any, in_dims: tuple[Any, ...], grad_out: Tensor, qkv: Tensor, mask: Tensor | None, out: Tensor,
+        lse: Tensor, n_heads: int, dropout_p: float = 0.0, seed: Tensor | None = None,
+    ):
+        N = info.batch_size
+        if dropout_p > 0:
+            grads = [
+                torch.ops.causal_attention.attention_backward(
+                    *_slice((grad_out, qkv, mask, out, lse), in_dims[:5], n), n_heads, dropout_p,
+                    *_slice((seed,), in_dims[7:], n),
+                )
+                for n in range(N)
+            ]
+            return torch.stack(grads), 0
+        B = _batch_first(qkv, in_dims[1], N).shape[1]
+        grad_qkv = torch.ops.causal_attention.attention_backward(
+            _fold(grad_out, in_dims[0], N), _fold(qkv, in_dims[1], N), _fold(mask, in_dims[2], N),
+            _fold(out, in_dims[3], N), _fold(lse, in_dims[4], N), n_heads,
+        )
+        return grad_qkv.unflatten(0, (N, B)), 0
+
+    torch.library.register_vmap("causal_attention::attention_forward", forward_vmap)
+    torch.library.register_vmap("causal_attention::attention_backward", backward_vmap)
+
+
+_LOAD_ERROR: str | None = _load()  # once, at import: never in the middle of a traced call
+
+
+def load_error() -> str | None:
+    """Why the compiled engine could not be loaded, or None when it is loaded."""
+    return _LOAD_ERROR
+
+
+def core_loaded() -> bool:
+    """True when the compiled C++ engine is loaded and its ops are registered."""
+    return load_error() is None

@@ -1,0 +1,122 @@
+"""The decode fast path: a step of few rows streams each weight once instead of calling BLAS.
+
+    y = few_rows_linear(layer, x)   # x (..., in): layer(x), streamed when x is a decode step's rows
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules import module as _torch_module
+
+from . import _ops
+
+
+# Below this many rows (a decode step), a Linear streams its weight: the engine's few_rows_linear
+# reads it once at close to copy bandwidth, where BLAS reaches a fraction of that at so few rows;
+# without the engine, W x^T, which BLAS streams faster than x W^T.
+FEW_ROWS = 8
+
+
+def _few_rows_step(x: Tensor) -> bool:
+    """Whether a product of x's rows (x (..., in)) is a decode step's: not traced, no gradient
+    wanted, few rows (few_rows_matmul's and the fused decode step's first condition). Tracing is
+    asked first: under torch.compile with dynamic shapes, comparing the row count with FEW_ROWS
+    guards on it, and a compiled GPT recompiled whenever B * T crossed it."""
+    if _tracing() or torch.is_grad_enabled():
+        return False
+    return x.numel() // max(1, x.shape[-1]) <= FEW_ROWS
+
+
+def _engine_streams(x: Tensor, *weights: Tensor | None) -> bool:
+    """Whether the engine's weight-streaming kernel takes x against these weights (None: a layer
+    without bias): x and every weight on the CPU in x's dtype, no CPU autocast, the engine loaded.
+    few_rows_matmul and the fused decode step share it, so that the fused step runs exactly where
+    its projections would stream (and gives their bits)."""
+    present = [w for w in weights if w is not None]
+    return (
+        x.device.type == "cpu"
+        and all(w.dtype == x.dtype and w.device.type == "cpu" for w in present)
+        and not torch.is_autocast_enabled("cpu")
+        and _ops.core_loaded()
+    )
+
+
+def few_rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor | None:
+    """x (..., in) @ weight^T (+ bias) -> (..., out) by a weight-streaming product, when x has few
+    rows and no gradient is wanted (inference: a decode step); None otherwise (the caller's usual
+    path)."""
+    if not _few_rows_step(x):
+        return None
+    return _streamed_product(x, weight, bias)
+
+
+def _streamed_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """few_rows_matmul's product, once its step is checked: the engine's few_rows_linear where it
+    streams these weights, W x^T by BLAS otherwise."""
+    if _engine_streams(x, weight, bias):
+        return torch.ops.causal_attention.few_rows_linear.default(x, weight, bias)
+    x2 = x.reshape(-1, x.shape[-1])  # (rows, in)
+    y = torch.mm(weight, x2.t()) if bias is None else torch.addmm(bias[:, None], weight, x2.t())  # (out, rows)
+    return y.t().reshape(*x.shape[:-1], weight.shape[0])
+
+
+def few_rows_linear(layer: nn.Module, x: Tensor) -> Tensor:
+    """layer(x) (x: (..., in) -> (..., out)), by the weight-streaming product of few_rows_matmul
+    where x is a decode step's few rows and calling the layer would compute only its weight product
+    (_linear_weights); otherwise by calling it."""
+    if not _few_rows_step(x) or _global_forward_hooks():
+        return layer(x)
+    weights = _linear_weights(layer)
+    if weights is None:
+        return layer(x)
+    return _streamed_product(x, *weights)
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
+_LINEAR_FORWARD = nn.Linear.forward
+
+
+def _global_forward_hooks() -> bool:
+    """Whether forward hooks that every module call runs are registered (torch's
+    register_module_forward_hook / _pre_hook)."""
+    return bool(getattr(_torch_module, "_global_forward_hooks", None)
+                or getattr(_torch_module, "_global_forward_pre_hooks", None))
+
+
+def _linear_weights(module: object) -> tuple[Tensor, Tensor | None] | None:
+    """(weight, bias) of a layer whose call computes x @ weight^T + bias and nothing else, so that
+    a decode step may stream its weight instead of calling it: an nn.Linear (a parametrized one
+    included, whose weight is then computed here) with nn.Linear's forward, no forward of its own
+    set on the instance (accelerate's hooks set one) and no forward hooks or pre-hooks of its own
+    (prune and the hook-based weight_norm recompute the weight in one, tensor parallelism
+    redistributes in them; global hooks are the caller's to ask, _global_forward_hooks). None for
+    anything else (quantized and QAT layers, adapters wrapping a Linear, hooked layers): the caller
+    calls the module.
+
+    For a plain nn.Linear whose weight and bias are registered parameters (a bias registered as
+    None included) and not instance attributes, they are read from its parameter dict, which is
+    what attribute access returns there, and cheaper than nn.Module.__getattr__ with the cold
+    caches a decode step's Python runs in."""
+    cls = type(module)
+    if cls is not nn.Linear and not isinstance(module, nn.Linear):
+        return None
+    attributes = module.__dict__
+    if (
+        cls.forward is not _LINEAR_FORWARD
+        or "forward" in attributes
+        or attributes["_forward_hooks"]
+        or attributes["_forward_pre_hooks"]
+    ):
+        return None
+    if cls is nn.Linear:
+        parameters = attributes["_parameters"]
+        if "weight" in parameters and "bias" in parameters and "weight" not in attributes and "bias" not in attributes:
+            return parameters["weight"], parameters["bias"]
+    weight, bias = module.weight, module.bias
+    if not isinstance(weight, Tensor) or not (bias is None or isinstance(bias, Tensor)):
+        return None
+    return weight, bias

@@ -1,0 +1,401 @@
+"""GPT: a GPT-2-style decoder built from CausalSelfAttention, for training on right-padded
+batches and batched generation over ragged prompts with a static KV cache.
+
+One class covers the demo's small model (``GPTConfig()`` defaults) and GPT-2 itself
+(``GPTConfig.gpt2()``, or ``from_huggingface`` / ``from_nanogpt`` of models/convert.py).
+
+Shapes: B = batch, T = tokens, V = vocabulary, dim = model width, N = real tokens of a batch.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..attention.cache import KVCache, advise_huge_pages
+from ..attention.decode import _tracing, few_rows_linear, few_rows_matmul
+from ..attention.module import CausalSelfAttention, normalize_key_padding_mask
+from . import checkpoint
+from .config import GPTConfig
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + drop(attn(ln1(x))), then x + drop(mlp(ln2(x)))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        dim, bias = config.dim, config.bias
+        self.ln1 = nn.LayerNorm(dim, eps=config.layer_norm_eps, bias=bias)
+        self.attn = CausalSelfAttention(dim, config.n_heads, bias=bias, dropout=config.attn_dropout)
+        self.attn_drop = nn.Dropout(config.resid_dropout)
+        self.ln2 = nn.LayerNorm(dim, eps=config.layer_norm_eps, bias=bias)
+        approximate = "tanh" if config.activation == "gelu_tanh" else "none"
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, config.hidden, bias=bias),
+            nn.GELU(approximate=approximate),
+            nn.Linear(config.hidden, dim, bias=bias),
+            nn.Dropout(config.resid_dropout),
+        )
+
+    def forward(
+        self, x: Tensor, mask: Tensor | None, *, cache: KVCache | None = None, return_weights: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """x (B, T, dim) -> (x (B, T, dim), attention weights (B, H, T, T) or None)."""
+        weights = None
+        if return_weights:
+            a, weights = self.attn(self.ln1(x), mask, return_weights=True)
+        else:
+            a = self.attn(self.ln1(x), mask, cache=cache)
+        x = x + self.attn_drop(a)
+        if cache is not None:  # a decode step: a few rows, no autograd (the cache is inference-only)
+            h = few_rows_linear(self.mlp[2], self.mlp[1](few_rows_linear(self.mlp[0], self.ln2(x))))
+            return x + self.mlp[3](h), weights
+        x = x + self.mlp(self.ln2(x))
+        return x, weights
+
+    def forward_packed(self, x: Tensor, packing: _Packing, *, cache: KVCache | None = None) -> Tensor:
+        """The same block on the real tokens only: x (N, dim) -> (N, dim). Every per-token
+        operation (LayerNorms, projections, MLP) runs on the N real tokens; the attention sees them
+        at their (B, T) places, with padding zeroed and masked."""
+        qkv = self.attn.qkv(self.ln1(x))  # (N, 3 * dim)
+        y = self.attn.attend(packing.unpack(qkv), packing.mask, cache=cache)  # (B, T, dim)
+        x = x + self.attn_drop(self.attn.proj(packing.pack(y)))
+        return x + self.mlp(self.ln2(x))
+
+
+@dataclass(frozen=True)
+class _Packing:
+    """Where the N real tokens of a right- or arbitrarily padded (B, T) batch sit."""
+
+    mask: Tensor  # (B, T) bool
+    index: Tensor  # (N,) flat positions b * T + t of the real tokens
+
+    @classmethod
+    def of(cls, mask: Tensor) -> _Packing:
+        return cls(mask, mask.flatten().nonzero().squeeze(1))
+
+    def right_padded_lengths(self) -> list[int] | None:
+        """Each sequence's length when the padding is all on the right, else None."""
+        lengths = self.mask.sum(1)  # (B,)
+        T = self.mask.shape[1]
+        if not bool((self.mask == (torch.arange(T, device=self.mask.device)[None, :] < lengths[:, None])).all()):
+            return None
+        return lengths.tolist()
+
+    def pack(self, x: Tensor) -> Tensor:
+        """(B, T, ...) -> (N, ...)."""
+        return x.flatten(0, 1).index_select(0, self.index)
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """(N, ...) -> (B, T, ...), zeros at padding."""
+        B, T = self.mask.shape
+        full = x.new_zeros((B * T,) + tuple(x.shape[1:]))
+        return full.index_copy(0, self.index, x).unflatten(0, (B, T))
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, n_layers Blocks, a final LayerNorm and a head (tied to the
+    token embedding unless ``config.tie_head`` is False).
+
+    Parameters: ``tok``, ``pos`` (embeddings), ``blocks.{i}.ln1``, ``.attn.qkv``, ``.attn.proj``,
+    ``.ln2``, ``.mlp.0`` and ``.mlp.2`` (the MLP's Linears), ``ln_f`` and, untied, ``head``.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config must be a GPTConfig; got {type(config).__name__}")
+        self.config = config
+        self.tok = nn.Embedding(config.vocab_size, config.dim)
+        self.pos = nn.Embedding(config.max_len, config.dim)
+        self.drop = nn.Dropout(config.embd_dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.dim, eps=config.layer_norm_eps, bias=config.bias)
+        if not config.tie_head:
+            self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        nn.init.normal_(self.tok.weight, std=0.02)
+        nn.init.normal_(self.pos.weight, std=0.02)
+
+    @property
+    def head_weight(self) -> Tensor:
+        """(V, dim): the output head's weight."""
+        return self.tok.weight if self.config.tie_head else self.head.weight
+
+    def make_caches(self, batch_size: int, max_len: int | None = None) -> list[KVCache]:
+        """One empty KV cache per layer. On the CPU the model's weights are also moved onto huge
+        pages in place where they span one (advise_huge_pages): a decode step streams them all."""
+        advise_huge_pages(self.parameters())
+        return [b.attn.make_cache(batch_size, max_len or self.config.max_len) for b in self.blocks]
+
+    def _embed(self, tokens: Tensor, caches: list[KVCache] | None) -> Tensor:
+        """tokens (B, T) -> embeddings (B, T, dim), at per-sequence positions (after the cache)."""
+        if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"tokens must be an int64 or int32 tensor of shape (B, T); got {tokens!r:.80}")
+        B, T = tokens.shape
+        V = self.config.vocab_size
+        # Checked here, where compile and export keep it: a compiled embedding's own bounds check
+        # fires inside a parallel loop, which aborts the process (AOTInductor, C++ callers) instead of raising.
+        torch._assert_async(((tokens >= 0) & (tokens < V)).all(), f"tokens must be in [0, vocab_size={V})")
+        if caches is not None:
+            if len(caches) != len(self.blocks):
+                raise ValueError(f"caches must hold one KVCache per layer ({len(self.blocks)}); got {len(caches)}")
+            offset = caches[0].lengths[:, None]
+        else:
+            offset = torch.zeros(B, 1, dtype=torch.int64, device=tokens.device)
+        positions = offset + torch.arange(T, device=tokens.device)  # (B, T)
+        # Checked on the values where compile and export keep it (the embedding lookup must not read past it).
+        torch._assert_async((positions < self.config.max_len).all(), f"sequence longer than max_len={self.config.max_len}")
+        return self.drop(self.tok(tokens) + self.pos(positions))
+
+    def _packing(self, x: Tensor, mask: Tensor | None) -> _Packing | None:
+        """Pack the real tokens when there is padding to skip (eager only: compiled and exported
+        graphs keep static shapes and compute every position)."""
+        if mask is None or _tracing() or bool(mask.all()):
+            return None
+        return _Packing.of(mask)
+
+    def hidden_states(
+        self, tokens: Tensor, key_padding_mask: Tensor | None = None, *, caches: list[KVCache] | None = None
+    ) -> tuple[Tensor, _Packing | None]:
+        """The final hidden states (after ln_f): ((B, T, dim), None), or ((N, dim), packing) for
+        the N real tokens of a padded batch (every per-token operation skips the padding)."""
+        x = self._embed(tokens, caches)  # (B, T, dim)
+        mask = normalize_key_padding_mask(key_padding_mask, x)
+        packing = self._packing(x, mask)
+        if packing is None:
+            for i, block in enumerate(self.blocks):
+                x, _ = block(x, mask, cache=None if caches is None else caches[i])
+            return self.ln_f(x), None
+        h = packing.pack(x)  # (N, dim)
+        for i, block in enumerate(self.blocks):
+            h = block.forward_packed(h, packing, cache=None if caches is None else caches[i])
+        return self.ln_f(h), packing
+
+    def logits(self, h: Tensor) -> Tensor:
+        """Hidden states (..., dim) -> logits (..., V)."""
+        weight = self.head_weight
+        y = few_rows_matmul(h, weight)  # a decode step: W h^T
+        return h @ weight.t() if y is None else y
+
+    def forward(
+        self,
+        tokens: Tensor,
+        key_padding_mask: Tensor | None = None,
+        *,
+        caches: list[KVCache] | None = None,
+        return_attention: bool = False,
+    ) -> Tensor | tuple[Tensor, list[Tensor]]:
+        """tokens (B, T) int64 -> logits (B, T, V) [, attention weights per layer (B, H, T, T)].
+
+        key_padding_mask (B, T): True (or 1) = real token. Nothing is computed for padding
+        positions: their logits are 0. With caches, tokens are the new tokens of each sequence and
+        their positions continue from each sequence's own cache length.
+        """
+        if return_attention:
+            if caches is not None:
+                raise ValueError("return_attention is not available with caches (it materialises T x T weights)")
+            x = self._embed(tokens, None)
+            mask = normalize_key_padding_mask(key_padding_mask, x)
+            maps = []
+            for block in self.blocks:
+                x, w = block(x, mask, return_weights=True)
+                assert w is not None
+                maps.append(w)
+            return self._zero_padding(self.logits(self.ln_f(x)), mask), maps
+        h, packing = self.hidden_states(tokens, key_padding_mask, caches=caches)
+        if packing is not None:
+            return self._padded_logits(h, packing)  # (B, T, V), zeros at padding
+        logits = self.logits(h)  # (B, T, V)
+        if key_padding_mask is not None and _tracing():  # eager: no padding here (else it was packed)
+            logits = self._zero_padding(logits, normalize_key_padding_mask(key_padding_mask, h))
+        return logits
+
+    def _padded_logits(self, h: Tensor, packing: _Packing) -> Tensor:
+        """Packed hidden states (N, dim) -> logits (B, T, V) with zeros at padding. Without autograd
+        and with right padding, each sequence's logits are written in place by the head's product
+        (no (N, V) temporary, no scatter); otherwise one scatter."""
+        weight = self.head_weight
+        lengths = packing.right_padded_lengths()
+        if lengths is None or (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
+            return packing.unpack(self.logits(h))
+        B, T = packing.mask.shape
+        logits = h.new_empty(B, T, weight.shape[0])
+        start = 0
+        for b, n in enumerate(lengths):
+            torch.mm(h[start : start + n], weight.t(), out=logits[b, :n])
+            logits[b, n:].zero_()
+            start += n
+        return logits
+
+    @staticmethod
+    def _zero_padding(logits: Tensor, mask: Tensor | None) -> Tensor:
+        return logits if mask is None else logits.masked_fill(~mask[..., None], 0)
+
+    def last_logits(self, tokens: Tensor, lengths: Tensor, *, caches: list[KVCache] | None = None) -> Tensor:
+        """Right-padded tokens (B, T) with real lengths (B,) -> logits at each sequence's last
+        real token (B, V): the head runs on B positions only (prefill for generation)."""
+        B, T = tokens.shape
+        mask = torch.arange(T, device=tokens.device)[None, :] < lengths[:, None]  # (B, T)
+        h, packing = self.hidden_states(tokens, mask, caches=caches)
+        if packing is None:
+            last = h[torch.arange(B, device=h.device), lengths - 1]  # (B, dim)
+        else:
+            last = h.index_select(0, lengths.cumsum(0) - 1)  # (B, dim): packed rows are in (b, t) order
+        return self.logits(last)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]] | Tensor,
+        max_new_tokens: int,
+        *,
+        use_cache: bool = True,
+        top_k: int | None = None,
+        temperature: float = 1.0,
+        eos_id: int | None = None,
+        pad_id: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> list[list[int]]:
+        """Continues every prompt by up to max_new_tokens tokens, in one ragged batch.
+
+        prompts: B lists of int token ids (ragged), or a (B, T) integer tensor (B prompts of T
+        tokens). Greedy when top_k is None, else top-k sampling at the temperature (positive; it
+        divides the logits). With use_cache the prompts are prefilled right-padded into a KV cache
+        (no left padding; the head runs only at each prompt's last token) and each step feeds one
+        token per sequence; without it every step recomputes the whole prefix (for comparison).
+        The last generated token is never fed back, so prompt + max_new_tokens - 1 must fit in
+        max_len (a prompt of max_len tokens gets one). Returns the generated tokens of each prompt
+        (up to and including eos_id).
+        """
+        prompts = _token_lists(prompts)
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive int; got {max_new_tokens!r}")
+        if top_k is not None and not 1 <= top_k <= self.config.vocab_size:
+            raise ValueError(f"top_k must be None or in 1..vocab_size={self.config.vocab_size}; got {top_k}")
+        # The C++ GenerateOptions' rule and message: 0 is not greedy (top_k=None is).
+        if not temperature > 0:
+            raise ValueError(f"temperature must be positive; got {temperature}")
+        device = self.tok.weight.device
+        lengths = torch.tensor([len(p) for p in prompts], device=device)  # (B,)
+        B, longest = len(prompts), int(lengths.max())
+        positions = longest + max_new_tokens - 1  # the last token chosen needs no position
+        if positions > self.config.max_len:
+            raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) - 1 = {positions} positions "
+                             f"exceeds max_len={self.config.max_len}")
+        picks = _Picks(B, device, top_k=top_k, temperature=temperature, eos_id=eos_id, generator=generator)
+        if use_cache:
+            self._generate_cached(prompts, lengths, max_new_tokens, positions, pad_id, picks)
+        else:
+            self._generate_uncached(prompts, max_new_tokens, pad_id, picks)
+        return picks.out
+
+    def _generate_cached(self, prompts: list[list[int]], lengths: Tensor, max_new_tokens: int, positions: int,
+                         pad_id: int, picks: _Picks) -> None:
+        """Prefills the right-padded prompts into KV caches, then feeds one token per sequence."""
+        B, longest = len(prompts), int(lengths.max())
+        tokens = self._pad(prompts, longest, pad_id)  # (B, longest)
+        caches = self.make_caches(B, positions)
+        last = self.last_logits(tokens, lengths, caches=caches)  # (B, V)
+        for step in range(max_new_tokens):
+            nxt = picks.choose(last)  # (B,)
+            picks.record(nxt)
+            if picks.all_done() or step == max_new_tokens - 1:
+                break
+            h, _ = self.hidden_states(nxt[:, None], None, caches=caches)  # (B, 1, dim)
+            last = self.logits(h[:, 0])  # (B, V)
+
+    def _generate_uncached(self, prompts: list[list[int]], max_new_tokens: int, pad_id: int, picks: _Picks) -> None:
+        """Recomputes the whole prefix at every step (the cached loop's baseline)."""
+        device = self.tok.weight.device
+        seqs = [list(p) for p in prompts]
+        for _ in range(max_new_tokens):
+            n = max(len(s) for s in seqs)
+            tokens = self._pad(seqs, n, pad_id)  # (B, n)
+            lens = torch.tensor([len(s) for s in seqs], device=device)
+            nxt = picks.choose(self.last_logits(tokens, lens))
+            picks.record(nxt)
+            for s, t in zip(seqs, nxt.tolist()):
+                s.append(t)
+            if picks.all_done():
+                break
+
+    def _pad(self, seqs: list[list[int]], n: int, pad_id: int) -> Tensor:
+        """Right-pads token lists to (B, n) int64."""
+        tokens = torch.full((len(seqs), n), pad_id, dtype=torch.int64, device=self.tok.weight.device)
+        for b, s in enumerate(seqs):
+            tokens[b, : len(s)] = torch.tensor(s, dtype=torch.int64)
+        return tokens
+
+    def save(self, directory: str | Path) -> None:
+        """Writes model.safetensors and config.json into directory (created if needed)."""
+        checkpoint.save(self, Path(directory))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> GPT:
+        """A model from save()'s directory: every tensor checked against the config (errors name it)."""
+        return checkpoint.load(Path(directory), cls)
+
+
+class _Picks:
+    """generate's choice of each next token (greedy, or top-k sampling) and the tokens chosen so
+    far, up to and including eos_id."""
+
+    def __init__(self, B: int, device: torch.device, *, top_k: int | None, temperature: float, eos_id: int | None,
+                 generator: torch.Generator | None) -> None:
+        self.top_k, self.temperature, self.eos_id, self.generator = top_k, temperature, eos_id, generator
+        self.out: list[list[int]] = [[] for _ in range(B)]
+        self.done = torch.zeros(B, dtype=torch.bool, device=device)
+
+    def choose(self, last: Tensor) -> Tensor:  # (B, V) logits -> (B,) tokens
+        if self.top_k is None:
+            return last.argmax(-1)
+        values, indices = (last / self.temperature).topk(self.top_k, dim=-1)  # (B, k)
+        picks = torch.multinomial(values.softmax(-1), 1, generator=self.generator)  # (B, 1)
+        return indices.gather(1, picks)[:, 0]
+
+    def record(self, nxt: Tensor) -> None:
+        for b, token in enumerate(nxt.tolist()):
+            if not self.done[b]:
+                self.out[b].append(token)
+        if self.eos_id is not None:
+            self.done = self.done | (nxt == self.eos_id)
+
+    def all_done(self) -> bool:
+        return bool(self.done.all())
+
+
+def _token_lists(prompts: Any) -> list[list[int]]:
+    """generate's prompts as lists of ints: a list of token-id sequences, or a (B, T) integer
+    tensor. Anything else (floats, bools, an empty prompt) is a ValueError naming the place."""
+    if isinstance(prompts, Tensor):
+        if prompts.dim() != 2 or prompts.dtype.is_floating_point or prompts.dtype.is_complex or prompts.dtype == torch.bool:
+            raise ValueError(f"prompts as a tensor must be a (B, T) integer tensor; got {prompts.dtype} of shape "
+                             f"{tuple(prompts.shape)}")
+        prompts = prompts.tolist()
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
+        raise ValueError(f"prompts must be a non-empty list of non-empty token lists; got {prompts!r:.80}")
+    out: list[list[int]] = []
+    for b, prompt in enumerate(prompts):
+        if isinstance(prompt, Tensor):
+            prompt = prompt.tolist() if prompt.dim() == 1 else prompt
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__") or len(prompt) == 0:
+            raise ValueError(f"prompts must be a non-empty list of non-empty token lists; prompts[{b}] is {prompt!r:.80}")
+        tokens = []
+        for t, token in enumerate(prompt):
+            # int or numpy's integers; a float (12.5) is not truncated, nor a bool taken for 0/1.
+            try:
+                if isinstance(token, bool):
+                    raise TypeError
+                tokens.append(operator.index(token))
+            except TypeError:
+                raise ValueError(f"prompts[{b}][{t}] must be an int token id; got {token!r}") from None
+        out.append(tokens)
+    return out
+
+
+#: The demo's small model is a configuration of GPT (``GPTConfig`` defaults); the old name stays.
+TinyGPT = GPT

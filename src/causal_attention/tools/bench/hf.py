@@ -1,0 +1,203 @@
+"""The engine inside transformers, timed against transformers' own attention implementations.
+
+Rows are generic: (section, name, ours_ms, theirs_ms, ratio) with ratio = theirs_ms / ours_ms
+(above 1, ours is faster). Everything runs in this process, interleaved (round-robin, rotated),
+and is reported as medians: the machines are noisy, so the ratios are the result.
+
+Sections:
+- ``prefill``: GPT-2 124M (GPT2Config() defaults, random weights), eval, no_grad, a right-padded
+  batch B=4, T=1024 (lengths 1024, 900, 700, 512), ``model(ids, attention_mask=mask,
+  use_cache=False, logits_to_keep=1)`` (a generation prefill computes the logits of the last
+  position only), with ``attn_implementation`` "causal_attention" against "sdpa" and "eager",
+  all holding the same weights; float32, and bfloat16 when asked (skipped, with the reason, when
+  one bfloat16 forward would take longer than BF16_BUDGET_S, estimated from a one-layer model).
+- ``attention``: one layer's attention call alone, from the q, k, v views GPT-2 makes of its
+  c_attn output, with the mask each implementation gets from transformers (made once, outside the
+  timing): ours (no copy), ours given separate k and v (what a DynamicCache hands over: one join
+  copy), against sdpa_attention_forward and eager_attention_forward.
+
+``quick`` uses a tiny config and T=64 (a smoke test, not a measurement).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from rich.progress import Progress
+from torch import Tensor
+
+from ...integrations import huggingface
+from .report import Row, interleaved_medians, plot_rows, print_rows
+
+BF16_BUDGET_S = 60.0  # one bfloat16 forward slower than this skips the bfloat16 rows
+FULL = dict(B=4, T=1024, lengths=[1024, 900, 700, 512])
+QUICK = dict(B=4, T=64, lengths=[64, 56, 44, 32])
+
+
+def _config(quick: bool) -> Any:
+    from transformers import GPT2Config
+
+    if quick:
+        return GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=101, n_positions=128)
+    return GPT2Config()  # GPT-2 124M: 12 layers, 768 wide, 12 heads, 50257 tokens, 1024 positions
+
+
+def _models(config: Any, impls: tuple[str, ...], dtype: torch.dtype) -> dict[str, torch.nn.Module]:
+    """One GPT2LMHeadModel per attention implementation, all holding the first one's weights."""
+    from transformers import GPT2LMHeadModel
+
+    models: dict[str, torch.nn.Module] = {}
+    for impl in impls:
+        model = GPT2LMHeadModel._from_config(copy.deepcopy(config), attn_implementation=impl, dtype=dtype)
+        if models:
+            model.load_state_dict(next(iter(models.values())).state_dict())
+        models[impl] = model.eval()
+    return models
+
+
+def _batch(config: Any, B: int, T: int, lengths: list[int]) -> tuple[Tensor, Tensor]:
+    """Token ids (B, T) and the right-padded attention_mask (B, T), 1 = real token."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (B, T), generator=generator)
+    mask = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).long()
+    return ids, mask
+
+
+def _timed(fns: dict[str, Callable[[], object]], repeats: int, progress: Progress, label: str) -> dict[str, float]:
+    """interleaved_medians of fns (1 warm-up round), in ms, advancing a progress bar per call."""
+    task = progress.add_task(label, total=len(fns) * (repeats + 1))
+    with torch.no_grad():
+        medians = interleaved_medians(fns, repeats=repeats, warmup=1, after_call=lambda: progress.advance(task))
+    return {k: v * 1e3 for k, v in medians.items()}
+
+
+def _rows(section: str, times: dict[str, float], ours: str, theirs: dict[str, str]) -> list[Row]:
+    """One row per baseline: theirs[key] names it, times[key] is its median (ms)."""
+    return [Row(section, name, times[ours], times[key], times[key] / times[ours]) for key, name in theirs.items()]
+
+
+def prefill_rows(*, dtype: torch.dtype, repeats: int, quick: bool, progress: Progress,
+                 budget_s: float | None = None) -> tuple[list[Row], str | None]:
+    """The whole-model prefill rows at dtype, or ([], why) when one forward exceeds budget_s."""
+    name = huggingface.register()
+    shape = QUICK if quick else FULL
+    config = _config(quick)
+    ids, mask = _batch(config, shape["B"], shape["T"], shape["lengths"])
+
+    def forward(model: torch.nn.Module) -> Callable[[], object]:
+        return lambda: model(ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+
+    dt = str(dtype).replace("torch.", "")
+    if budget_s is not None:
+        # One layer's forward times n_layer estimates a forward without waiting for a slow one.
+        one_layer = copy.deepcopy(config)
+        one_layer.n_layer = 1
+        probe = _models(one_layer, ("sdpa",), dtype)["sdpa"]
+        start = time.perf_counter()
+        with torch.no_grad():
+            forward(probe)()
+        estimate = (time.perf_counter() - start) * config.n_layer
+        if estimate > budget_s:
+            return [], (f"{dt} prefill: one sdpa forward would take about {estimate:.0f} s "
+                        f"(one layer's time x {config.n_layer}; > {budget_s:.0f} s)")
+    models = _models(config, (name, "sdpa", "eager"), dtype)
+    times = _timed({k: forward(m) for k, m in models.items()}, repeats, progress, f"prefill {dt}")
+    section = f"transformers + engine: prefill {dt} B={shape['B']} T={shape['T']} lengths={shape['lengths']}"
+    return _rows(section, times, name, {"sdpa": "prefill vs sdpa", "eager": "prefill vs eager"}), None
+
+
+def attention_rows(*, dtype: torch.dtype, repeats: int, quick: bool, progress: Progress) -> list[Row]:
+    """One GPT-2 layer's attention call alone, each implementation given its own mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import eager_mask, sdpa_mask
+    from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
+
+    shape = QUICK if quick else FULL
+    config = _config(quick)
+    B, T = shape["B"], shape["T"]
+    dim, H = config.n_embd, config.n_head
+    hd = dim // H
+    module = torch.nn.Module()
+    module.is_causal = True  # what GPT2Attention says of itself
+    module.training = False
+    generator = torch.Generator().manual_seed(0)
+    fused = torch.randn(B, T, 3 * dim, generator=generator).to(dtype)  # c_attn's output
+    q, k, v = (t.view(B, T, H, hd).transpose(1, 2) for t in fused.split(dim, 2))  # each (B, H, T, hd), views
+    k_copy, v_copy = k.contiguous(), v.contiguous()  # as a DynamicCache hands them back
+    padding = torch.arange(T)[None, :] < torch.tensor(shape["lengths"])[:, None]  # (B, T) bool
+    sdpa_4d = sdpa_mask(batch_size=B, q_length=T, kv_length=T, attention_mask=padding)
+    eager_4d = eager_mask(batch_size=B, q_length=T, kv_length=T, attention_mask=padding, dtype=dtype)
+    scaling = hd**-0.5
+    fns = {
+        "ours": lambda: huggingface.causal_attention_forward(module, q, k, v, padding, scaling=scaling),
+        "ours_copy": lambda: huggingface.causal_attention_forward(module, q, k_copy, v_copy, padding, scaling=scaling),
+        "sdpa": lambda: sdpa_attention_forward(module, q, k, v, sdpa_4d, scaling=scaling),
+        "eager": lambda: eager_attention_forward(module, q, k, v, eager_4d, scaling=scaling),
+    }
+    dt = str(dtype).replace("torch.", "")
+    times = _timed(fns, repeats, progress, f"attention {dt}")
+    section = f"transformers + engine: attention (one layer) {dt} B={B} T={T} H={H} hd={hd}"
+    rows = _rows(section, times, "ours", {"sdpa": "attention vs sdpa", "eager": "attention vs eager"})
+    rows += _rows(section, times, "ours_copy", {"sdpa": "attention, k/v copies (cache) vs sdpa"})
+    return rows
+
+
+def main(*, out_dir: Path, repeats: int, bf16: bool, quick: bool, gpt: bool = True) -> dict:
+    """Times the rows (float32; bfloat16 too when bf16): the project's GPT against GPT2LMHeadModel on
+    the same weights (gpt2.py; bfloat16 at reduced sizes) when gpt, then the engine inside
+    transformers; prints the table, writes
+    out_dir/bench_transformers.json and out_dir/bench_transformers.png, returns the report."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1; got {repeats}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # random configs: no token id warnings
+    rows: list[Row] = []
+    skipped: list[str] = []
+    try:
+        with Progress(transient=True) as progress:
+            if gpt:
+                from . import gpt2
+
+                say = progress.console.print
+                rows += gpt2.gpt2_rows(size="quick" if quick else "full", repeats=repeats, progress=say)
+                if bf16:
+                    rows += gpt2.gpt2_rows(size="quick" if quick else "reduced", dtype=torch.bfloat16,
+                                                 repeats=max(1, repeats // 2), progress=say)
+            rows += prefill_rows(dtype=torch.float32, repeats=repeats, quick=quick, progress=progress)[0]
+            rows += attention_rows(dtype=torch.float32, repeats=repeats, quick=quick, progress=progress)
+            if bf16:
+                bf16_rows, why = prefill_rows(dtype=torch.bfloat16, repeats=repeats, quick=quick, progress=progress,
+                                              budget_s=BF16_BUDGET_S)
+                rows += bf16_rows
+                if why is not None:
+                    skipped.append(why)
+                rows += attention_rows(dtype=torch.bfloat16, repeats=repeats, quick=quick, progress=progress)
+    finally:
+        torch.set_num_threads(threads)
+        hf_logging.set_verbosity(verbosity)
+    report = {
+        "threads": 2,
+        "repeats": repeats,
+        "quick": quick,
+        "shape": QUICK if quick else FULL,
+        "rows": [asdict(r) for r in rows],
+        "skipped": skipped,
+    }
+    print_rows(rows, skipped)
+    (out_dir / "bench_transformers.json").write_text(json.dumps(report, indent=2))
+    title = (f"GPT and the engine against transformers, GPT-2 {'tiny' if quick else '124M'}, "
+             f"2 threads, medians of {repeats}")
+    plot_rows(rows, out_dir / "bench_transformers.png", title=title)
+    return report
