@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 CHECKED_LANGUAGES = {"python", "sh", "text", "cpp"}
 CPP_BLOCKS = 2  # built and run: the C++ example by tests/test_cpp_package.py, the AOTInductor one by tests/test_aoti_cpp.py
