@@ -131,13 +131,30 @@ def _links(page: Path) -> list[tuple[int, str]]:
     return found
 
 
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub makes of a page's headings: lower case, punctuation dropped, spaces to
+    hyphens (a repeated heading's -1, -2 suffixes are not made)."""
+    text = re.sub(r"^(`{3,}|~{3,}).*?^\1", "", page.read_text(), flags=re.S | re.M)  # not in code blocks
+    headings = re.findall(r"^#{1,6}\s+(.+?)\s*#*$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
 @pytest.mark.parametrize("page", PAGES, ids=_relative)
 def test_relative_links_resolve(page: Path) -> None:
     for line, target in _links(page):
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
-            continue  # a URL, or an anchor in the page itself
-        path = target.split("#", 1)[0]
-        assert (page.parent / path).exists(), f"{_relative(page)}:{line}: the link {target} leads nowhere"
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):
+            continue  # a URL
+        path, _, anchor = target.partition("#")
+        linked = page.parent / path if path else page
+        assert linked.exists(), f"{_relative(page)}:{line}: the link {target} leads nowhere"
+        if anchor and linked.suffix == ".md":
+            assert anchor in anchors(linked), f"{_relative(page)}:{line}: {_relative(linked.resolve())} has no heading #{anchor}"
+
+
+def test_anchors_are_githubs(tmp_path: Path) -> None:
+    page = tmp_path / "p.md"
+    page.write_text("# Title\n## The C++ generation program\n```sh\n# not a heading\n```\n### Our files: GPT.save\n")
+    assert anchors(page) == {"title", "the-c-generation-program", "our-files-gptsave"}
 
 
 def test_the_link_finder_finds_links(tmp_path: Path) -> None:
