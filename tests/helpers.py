@@ -61,12 +61,13 @@ def rel_err(a: Tensor, b: Tensor) -> float:
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def readme_cpp_block(heading: str = "## C++") -> str:
-    """The ```cpp block of README.md's section under heading (up to the next ## or ### heading)."""
-    section = README.read_text().split(f"\n{heading}\n", 1)[1]
+def readme_cpp_block(heading: str = "## C++", *, page: Path = README) -> str:
+    """The ```cpp block of page's section under heading (up to the next ## or ### heading); page:
+    README.md or a docs/ page."""
+    section = page.read_text().split(f"\n{heading}\n", 1)[1]
     section = section.split("\n## ", 1)[0].split("\n### ", 1)[0]
     match = re.search(r"^```cpp\n(.*?)^```$", section, re.MULTILINE | re.DOTALL)
-    assert match, f"no ```cpp block in the section '{heading}' of {README}"
+    assert match, f"no ```cpp block in the section '{heading}' of {page}"
     return match.group(1)
 
 

@@ -7,10 +7,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
+#include "attention/tile_products.h"
 #include "cpu/tile_ops.h"
 #include "cpu/tile_tables.h"
 #include "cpu_features.h"
@@ -235,3 +237,56 @@ TEST(PanelGemm, RoundsToTheInputTypeExactly) {
 }
 
 }  // namespace
+
+// Products narrower than a panel (tile_products.h, narrow_panel_product) sum k in blocks of
+// kNarrowSumBlock: each block by fused multiply-adds from 0 in k order, the block sums added in order to
+// C (or to the first block). Bit for bit against that scalar loop, on the CPU's own micro-kernel.
+TEST(PanelGemm, NarrowProductsSumInBlocks) {
+  namespace kernels = causal_attention::kernels;
+  const auto& ops = tile::tile_ops<float>();
+  if (ops.panel_gemm == nullptr) {
+    GTEST_SKIP() << "no micro-kernel on this CPU: the products go to BLAS";
+  }
+  torch::manual_seed(1);
+  for (const int64_t m : {1, 7, 128}) {
+    for (const int64_t n : {1, 3, 15}) {
+      for (const int64_t k : {0, 1, 8, 9, 257}) {
+        for (const bool trans_a : {false, true}) {
+          for (const bool accumulate : {false, true}) {
+            const auto a = torch::randn({m, k});  // m x k
+            const auto a_stored = trans_a ? a.t().contiguous() : a;
+            const int64_t rs_a = trans_a ? 1 : k, cs_a = trans_a ? m : 1;
+            const auto b = torch::randn({k, n});
+            std::vector<float> packed(tile::kPanel * std::max<int64_t>(k, 1));
+            ops.pack_panels(b.const_data_ptr<float>(), n, 1, k, n, packed.data());
+            auto c = torch::randn({m, n + 2});
+            const auto c_before = c.clone();
+            kernels::narrow_panel_product(m, n, k, a_stored.const_data_ptr<float>(), rs_a, cs_a,
+                                          {packed.data(), k, nullptr}, accumulate, c.data_ptr<float>(), n + 2);
+            const auto aa = a.accessor<float, 2>();
+            const auto bb = b.accessor<float, 2>();
+            const auto c0 = c_before.accessor<float, 2>();
+            const auto got = c.accessor<float, 2>();
+            int64_t wrong = 0;
+            for (int64_t i = 0; i < m; ++i) {
+              for (int64_t j = 0; j < n; ++j) {
+                float total = accumulate ? c0[i][j] : 0.0f;
+                for (int64_t k0 = 0; k0 < k; k0 += kernels::kNarrowSumBlock) {
+                  float block = 0.0f;
+                  for (int64_t kk = k0; kk < std::min(k, k0 + kernels::kNarrowSumBlock); ++kk) {
+                    block = std::fma(aa[i][kk], bb[kk][j], block);
+                  }
+                  total = (accumulate || k0 > 0) ? total + block : block;
+                }
+                wrong += got[i][j] != total;
+              }
+              wrong += got[i][n] != c0[i][n] || got[i][n + 1] != c0[i][n + 1];  // past n: untouched
+            }
+            EXPECT_EQ(wrong, 0) << "m " << m << " n " << n << " k " << k << " trans_a " << trans_a << " accumulate "
+                                << accumulate;
+          }
+        }
+      }
+    }
+  }
+}

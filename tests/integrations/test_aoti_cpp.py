@@ -1,9 +1,9 @@
-"""AOTInductor packages with the engine's ops inside, loaded in C++ (README.md's "Deploy" example).
+"""AOTInductor packages with the engine's ops inside, loaded in C++ (docs/deployment.md's example).
 
 Python exports the demo-sized GPT and the layer (dynamic B and T), compiles each with
 ``torch._inductor.aoti_compile_and_package`` and writes them as ``gpt.pt2`` and ``layer.pt2``. A
-downstream CMake project, built against the installed package as README.md tells a C++ user, runs
-README's ```cpp block of the section "### An AOTInductor package in C++" (its #include lines above
+downstream CMake project, built against the installed package as docs/cpp-api.md tells a C++ user, runs
+docs/deployment.md's ```cpp block of the section "### An AOTInductor package in C++" (its #include lines above
 ``main``, the rest as the body), then runs the layer package on inputs written by Python
 (``torch.save``, read with ``torch::pickle_load``) and writes every output with ``torch::pickle_save``.
 Python reads them back (``torch.load``) and compares with the eager models on the same inputs, at
@@ -26,9 +26,10 @@ import torch
 import causal_attention
 from causal_attention import CausalSelfAttention
 from causal_attention.models import GPT, GPTConfig
-from helpers import example_program, readme_cpp_block, rel_err, run, tool
+from helpers import README, example_program, readme_cpp_block, rel_err, run, tool
 
 SECTION = "### An AOTInductor package in C++"
+DEPLOYMENT = README.parent / "docs" / "deployment.md"
 
 CMAKE_LISTS = """\
 cmake_minimum_required(VERSION 3.18)
@@ -41,7 +42,7 @@ target_link_libraries(aoti_example PRIVATE causal_attention::causal_attention)
 target_link_options(aoti_example PRIVATE "LINKER:--as-needed")
 """
 
-# After the README's code: the layer package on Python's inputs, then every output to cpp_out.pt.
+# After the example's code: the layer package on Python's inputs, then every output to cpp_out.pt.
 CHECKS = """\
   std::ifstream file("layer_in.pt", std::ios::binary);
   const std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
@@ -82,7 +83,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GPT, CausalSe
     """(directory holding gpt.pt2, layer.pt2, layer_in.pt and cpp_out.pt after the run, the GPT, the layer)."""
     work = tmp_path_factory.mktemp("aoti")
     program = example_program(
-        readme_cpp_block(SECTION), made_by="tests/integrations/test_aoti_cpp.py", prologue=[], checks=CHECKS,
+        readme_cpp_block(SECTION, page=DEPLOYMENT), made_by="tests/integrations/test_aoti_cpp.py", prologue=[], checks=CHECKS,
         includes=["cstdlib", "fstream", "iostream", "iterator", "string", "vector", "torch/serialize.h"])
     torch.manual_seed(0)
     gpt = GPT(GPT_CONFIG).eval()
@@ -129,7 +130,7 @@ def test_gpt_package_in_cpp_equals_eager(built: tuple[Path, GPT, CausalSelfAtten
     work, gpt, _ = built
     out = cpp_outputs(work)
     tokens, mask, logits = out["tokens"], out["mask"], out["logits"]
-    assert tokens.shape == (2, 5) and mask.dtype == torch.bool and not bool(mask.all()), "README's inputs changed"
+    assert tokens.shape == (2, 5) and mask.dtype == torch.bool and not bool(mask.all()), "the example's inputs changed"
     with torch.no_grad():
         expected = gpt(tokens, mask)  # (B, T, V), zeros at padding
     assert logits.shape == expected.shape and logits.dtype == torch.float32
