@@ -309,8 +309,8 @@ void score_product(const Operand<scalar_t>& a, const scalar_t* b, int64_t ld_b, 
   if constexpr (std::is_same_v<acc_t, float>) {
     if (panels.data != nullptr) {
       TORCH_INTERNAL_ASSERT(a.wide != nullptr, "score_product: packed keys need the query operand in float32");
-      tile::tile_ops<float>().panel_gemm(rows, cols, hd, a.wide, a.ld_wide, 1, panels.data, tile::kPanel,
-                                         panels.k * tile::kPanel, false, s, ld_s);
+      tile::tile_ops<float>().panel_gemm(rows, cols, hd, tile::kScoreSumBlock, a.wide, a.ld_wide, 1, panels.data,
+                                         tile::kPanel, panels.k * tile::kPanel, false, s, ld_s);
       return;
     }
   }
@@ -322,27 +322,8 @@ void score_product(const Operand<scalar_t>& a, const scalar_t* b, int64_t ld_b, 
 // them, in one chain of fused multiply-adds per output. For a head narrower than a panel BLAS sums in
 // many lanes and one chain drifts further; dS = P (dP - dO . O) turns the drift of O into a bias of dK
 // and dQ. Such products (half precision only: float32 narrow heads run in float64) are summed in blocks
-// of kNarrowSumBlock, each from 0, the block sums added in order. Wide products stay one chain, as BLAS's.
+// of kNarrowSumBlock (panel_gemm's sum_block). Wide products stay one chain, as BLAS's.
 inline constexpr int64_t kNarrowSumBlock = 8;
-
-inline void narrow_panel_product(int64_t m, int64_t n, int64_t k, const float* a, int64_t rs_a, int64_t cs_a,
-                                 const Panels<float>& panels, bool accumulate, float* c, int64_t ldc) {
-  constexpr int64_t kMaxRows = 256;  // above the tallest product (kBlockQ, kBwdBlockK rows)
-  TORCH_INTERNAL_ASSERT(m <= kMaxRows && n < tile::kPanel, "narrow_panel_product: ", m, " x ", n);
-  float block[kMaxRows * tile::kPanel];
-  const auto& ops = tile::tile_ops<float>();
-  for (int64_t k0 = 0; k0 < k || (k0 == 0 && !accumulate); k0 += kNarrowSumBlock) {
-    const int64_t kb = std::min(kNarrowSumBlock, k - k0);
-    ops.panel_gemm(m, n, kb, a + k0 * cs_a, rs_a, cs_a, panels.data + k0 * tile::kPanel, tile::kPanel,
-                   panels.k * tile::kPanel, false, block, n);
-    const bool add = accumulate || k0 > 0;
-    for (int64_t i = 0; i < m; ++i) {
-      for (int64_t j = 0; j < n; ++j) {
-        c[i * ldc + j] = add ? c[i * ldc + j] + block[i * n + j] : block[i * n + j];
-      }
-    }
-  }
-}
 
 // c (m x n, acc_t, ldc) = op(a) . b, or c += op(a) . b when accumulate. op(a) is m x k (a stored k x m
 // when trans_a, its leading dimensions either way); b is k x n row-major (ld_b): values, keys, queries
@@ -365,12 +346,8 @@ void row_product(bool trans_a, int64_t m, int64_t n, int64_t k, const Operand<sc
     if (panels.data != nullptr) {
       TORCH_INTERNAL_ASSERT(a.wide != nullptr, "row_product: packed panels need the left operand in float32");
       const int64_t rs_a = trans_a ? 1 : a.ld_wide, cs_a = trans_a ? a.ld_wide : 1;
-      if (n < tile::kPanel) {
-        narrow_panel_product(m, n, k, a.wide, rs_a, cs_a, panels, accumulate, c, ldc);
-      } else {
-        tile::tile_ops<float>().panel_gemm(m, n, k, a.wide, rs_a, cs_a, panels.data, tile::kPanel,
-                                           panels.k * tile::kPanel, accumulate, c, ldc);
-      }
+      tile::tile_ops<float>().panel_gemm(m, n, k, n < tile::kPanel ? kNarrowSumBlock : 0, a.wide, rs_a, cs_a,
+                                         panels.data, tile::kPanel, panels.k * tile::kPanel, accumulate, c, ldc);
       return;
     }
   }

@@ -86,10 +86,10 @@ struct FloatTilePanels {
 void float_tile_products(const float* q, const FloatTilePanels& panels, float* s, float* pv) {
   namespace tile = causal_attention::tile;
   const auto& ops = tile::tile_ops<float>();
-  ops.panel_gemm(kTileRows, kTileKeys, kHd, q, kTileLd, 1, panels.k.data(), tile::kPanel, kHd * tile::kPanel, false, s,
-                 kTileKeys);
-  ops.panel_gemm(kTileRows, kHd, kTileKeys, s, kTileKeys, 1, panels.v.data(), tile::kPanel, kTileKeys * tile::kPanel,
-                 false, pv, kHd);
+  ops.panel_gemm(kTileRows, kTileKeys, kHd, tile::kScoreSumBlock, q, kTileLd, 1, panels.k.data(), tile::kPanel,
+                 kHd * tile::kPanel, false, s, kTileKeys);
+  ops.panel_gemm(kTileRows, kHd, kTileKeys, 0, s, kTileKeys, 1, panels.v.data(), tile::kPanel,
+                 kTileKeys * tile::kPanel, false, pv, kHd);
 }
 
 // One forward tile's products from qkv's layout (rows 3 * 768 floats apart): S = Q K^T (128 x 256 x 64),
@@ -127,6 +127,35 @@ void BM_TileProducts(benchmark::State& state) {
       benchmark::Counter(4.0 * kTileRows * kTileKeys * kHd * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_TileProducts)->Arg(0)->Arg(1)->ArgName("micro_kernel")->UseRealTime();
+
+// The score product S = Q K^T of one forward tile (128 x 256 x 64) on the float32 micro-kernel, the head
+// summed in one chain (argument 0) or in blocks of that many values (tile::kScoreSumBlock: what the
+// kernels do), to show what the shorter chains cost.
+void BM_ScoreProduct(benchmark::State& state) {
+  namespace tile = causal_attention::tile;
+  const auto& ops = tile::tile_ops<float>();
+  if (ops.panel_gemm == nullptr) {
+    state.SkipWithError("no micro-kernel on this CPU (AVX2 + FMA)");
+    return;
+  }
+  const int64_t sum_block = state.range(0);
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  at::manual_seed(0);
+  const auto qkv = at::randn({kTileKeys, kTileLd});
+  const float* q = qkv.const_data_ptr<float>();
+  const FloatTilePanels panels(q);
+  std::vector<float> s(kTileRows * kTileKeys);
+  for (auto _ : state) {
+    ops.panel_gemm(kTileRows, kTileKeys, kHd, sum_block, q, kTileLd, 1, panels.k.data(), tile::kPanel,
+                   kHd * tile::kPanel, false, s.data(), kTileKeys);
+    benchmark::DoNotOptimize(s.data());
+  }
+  at::set_num_threads(threads);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(2.0 * kTileRows * kTileKeys * kHd * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_ScoreProduct)->Arg(0)->Arg(causal_attention::tile::kScoreSumBlock)->ArgName("sum_block")->UseRealTime();
 
 // One forward tile (128 queries x 256 keys, head_dim 64) on one thread, part by part, in float32
 // (panel_gemm) and bfloat16 (pair_gemm, where the CPU has AVX512-BF16): argument dtype (0 float32,

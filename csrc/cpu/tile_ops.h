@@ -29,6 +29,12 @@ inline constexpr int64_t kNoCausal = std::numeric_limits<int64_t>::max() / 2;
 // Columns per panel of panel_gemm's B operand.
 inline constexpr int64_t kPanel = 16;
 
+// Products over the head (scores q . k, the backward's dP = dO . v) sum it in blocks of this many
+// values, each from 0, the block sums added in order: a chain over a whole head of 48 or 64 values
+// drifts about 1.5x further from the exact score than BLAS's small-matrix kernels, and a nearly
+// one-hot softmax passes that drift on to the output and every gradient.
+inline constexpr int64_t kScoreSumBlock = 16;
+
 // A float32 head narrower than a panel sums each output over one or a few lanes, further from exact
 // than BLAS's many; dS = P (dP - dO . O) turns the forward's drift into a bias of dK and dQ that weight
 // gradients sum over T. Such heads are cheap: float32 computes them in float64 and keeps lse in float64.
@@ -134,12 +140,15 @@ struct TileOps {
   // runs on operands widened by their pack_panels and widen). C (m x n, ldc) = A . B, or C += A . B
   // when accumulate, by a register-blocked micro-kernel (AVX2: 6 rows x kPanel columns of C in ymm
   // registers; AVX512: 12 rows x 2 kPanel columns in zmm registers; one fused multiply-add per product,
-  // summed in k order, so both builds give the same bits). A element (i, kk) at a[i * rs_a + kk * cs_a] (a
-  // row-major or a transposed operand alike); B element (kk, j) at b[(j / kPanel) * ps_b + kk * ld_b +
-  // j % kPanel]: either row-major rows (ps_b = kPanel, ld_b = the row stride) or pack_panels' layout
-  // (ps_b = k * kPanel, ld_b = kPanel). Reads and writes only the n columns of B and C.
-  void (*panel_gemm)(int64_t m, int64_t n, int64_t k, const scalar_t* a, int64_t rs_a, int64_t cs_a,
-                     const scalar_t* b, int64_t ld_b, int64_t ps_b, bool accumulate, scalar_t* c, int64_t ldc);
+  // summed in k order, so both builds give the same bits). sum_block 0: all of k in one chain (from C
+  // when accumulating); else k in blocks of sum_block, each chain from 0, the block sums added in order
+  // to C (or to the first block's sum). A element (i, kk) at a[i * rs_a + kk * cs_a] (a row-major or a
+  // transposed operand alike); B element (kk, j) at b[(j / kPanel) * ps_b + kk * ld_b + j % kPanel]:
+  // either row-major rows (ps_b = kPanel, ld_b = the row stride) or pack_panels' layout (ps_b = k *
+  // kPanel, ld_b = kPanel). Reads and writes only the n columns of B and C.
+  void (*panel_gemm)(int64_t m, int64_t n, int64_t k, int64_t sum_block, const scalar_t* a, int64_t rs_a,
+                     int64_t cs_a, const scalar_t* b, int64_t ld_b, int64_t ps_b, bool accumulate, scalar_t* c,
+                     int64_t ldc);
 
   // Where float32's panel_gemm runs (float32, bfloat16, half; else nullptr): B (k x n, element (kk, j) =
   // src[kk * rs + j * cs]) widened to acc_t into panels of kPanel columns, dst[(j / kPanel) * k * kPanel +
@@ -152,8 +161,8 @@ struct TileOps {
   // ld); otherwise the two must not overlap.
   void (*round_to_input)(const acc_t* x, int64_t ld, int64_t rows, int64_t cols, acc_t* out, int64_t ld_out);
 
-  // out[r] = x[r, :] . y[r, :] for r < rows (rows of n contiguous values): one fused multiply-add per
-  // product from 0, in order, as panel_gemm sums, so that the backward's delta = dO . O cancels dP = dO . v
+  // out[r] = x[r, :] . y[r, :] for r < rows (rows of n contiguous values), summed as panel_gemm sums a
+  // score product (sum_block kScoreSumBlock), so that the backward's delta = dO . O cancels dP = dO . v
   // bit for bit where O = v (one allowed key) instead of leaving a rounding residue in dS.
   void (*fma_dots)(const scalar_t* x, const scalar_t* y, int64_t rows, int64_t n, acc_t* out);
 

@@ -1,9 +1,10 @@
 // The float32 micro-kernel of the tile products (tile_ops.h: panel_gemm, pack_panels, widen,
 // round_to_input), AVX2's table called directly so that it is tested on any CPU with AVX2 whatever
 // ATen's chosen capability:
-// bit for bit against a scalar fused multiply-add loop in k order (what the kernel computes), within
-// float32's bound of float64 products, for row-major, column-major and packed operands, partial
-// panels and blocks, accumulation, and never touching C past its n columns.
+// bit for bit against a scalar fused multiply-add loop in k order (what the kernel computes: one chain,
+// or blocks of k each from 0 with their sums added), within float32's bound of float64 products, for
+// row-major, column-major and packed operands, partial panels and blocks, accumulation, and never
+// touching C past its n columns.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -29,16 +30,20 @@ struct Case {
   bool trans_a;
   BLayout layout;
   bool accumulate;
+  int64_t sum_block;
 };
 
 std::string describe(const Case& c) {
   return "m " + std::to_string(c.m) + " n " + std::to_string(c.n) + " k " + std::to_string(c.k) + " trans_a " +
          std::to_string(c.trans_a) + " layout " + std::to_string(static_cast<int>(c.layout)) + " accumulate " +
-         std::to_string(c.accumulate);
+         std::to_string(c.accumulate) + " sum_block " + std::to_string(c.sum_block);
 }
 
-// A . B (+ C's first columns when accumulate) with one fused multiply-add per product, in k order.
-torch::Tensor fma_product(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& c, bool accumulate) {
+// A . B (+ C's first columns when accumulate) with one fused multiply-add per product, in k order: in one
+// chain from C (or 0) when sum_block is 0, else in blocks of sum_block from 0, each block's sum added in
+// order to C (or to the first block's sum).
+torch::Tensor fma_product(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& c, bool accumulate,
+                          int64_t sum_block) {
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
   const auto a_dense = a.contiguous();
   const auto b_dense = b.contiguous();
@@ -47,20 +52,26 @@ torch::Tensor fma_product(const torch::Tensor& a, const torch::Tensor& b, const 
   const auto c0 = c.accessor<float, 2>();
   auto expected = torch::empty({m, n});
   auto e = expected.accessor<float, 2>();
+  const int64_t block = sum_block > 0 ? sum_block : std::max<int64_t>(k, 1);
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t j = 0; j < n; ++j) {
-      float acc = accumulate ? c0[i][j] : 0.0f;
-      for (int64_t kk = 0; kk < k; ++kk) {
-        acc = std::fma(a_acc[i][kk], b_acc[kk][j], acc);
+      float total = accumulate ? c0[i][j] : 0.0f;
+      for (int64_t k0 = 0; k0 < k || (k0 == 0 && !accumulate); k0 += block) {
+        const bool chain_from_c = sum_block == 0 && accumulate;
+        float acc = chain_from_c ? total : 0.0f;
+        for (int64_t kk = k0; kk < std::min(k, k0 + block); ++kk) {
+          acc = std::fma(a_acc[i][kk], b_acc[kk][j], acc);
+        }
+        total = chain_from_c || (k0 == 0 && !accumulate) ? acc : total + acc;
       }
-      e[i][j] = acc;
+      e[i][j] = total;
     }
   }
   return expected;
 }
 
 void check_case(const tile::TileOps<float>& ops, const Case& c) {
-  const auto [m, n, k, trans_a, layout, accumulate] = c;
+  const auto [m, n, k, trans_a, layout, accumulate, sum_block] = c;
   // A: m x k, stored (k x (m + 3)) when trans_a; element (i, kk) at a[i * rs_a + kk * cs_a].
   const auto a_stored = trans_a ? torch::randn({k, m + 3}) : torch::randn({m, k + 3});
   const int64_t rs_a = trans_a ? 1 : k + 3;
@@ -92,11 +103,11 @@ void check_case(const tile::TileOps<float>& ops, const Case& c) {
   }
   const auto c_before = c_mat.clone();
 
-  ops.panel_gemm(m, n, k, a_stored.const_data_ptr<float>(), rs_a, cs_a, b_ptr, ld_b, ps_b, accumulate,
+  ops.panel_gemm(m, n, k, sum_block, a_stored.const_data_ptr<float>(), rs_a, cs_a, b_ptr, ld_b, ps_b, accumulate,
                  c_mat.data_ptr<float>(), ldc);
 
-  // Bit for bit: one fused multiply-add per product, in k order, from C (or 0).
-  const auto expected = fma_product(a, b, c_before, accumulate);
+  // Bit for bit: one fused multiply-add per product, in k order, in the chains sum_block asks for.
+  const auto expected = fma_product(a, b, c_before, accumulate, sum_block);
   const auto got = c_mat.narrow(1, 0, n);
   EXPECT_TRUE(torch::equal(got, expected)) << describe(c) << ": max diff "
                                            << (got - expected).abs().max().item<float>();
@@ -133,11 +144,13 @@ void check_all_cases(const tile::TileOps<float>& ops) {
   ASSERT_NE(ops.panel_gemm, nullptr);
   for (const int64_t m : {1, 5, 6, 7, 13, 64}) {
     for (const int64_t n : {1, 8, 15, 16, 17, 40, 64}) {
-      for (const int64_t k : {1, 3, 64, 130}) {
+      for (const int64_t k : {0, 1, 3, 17, 64, 130}) {
         for (const bool trans_a : {false, true}) {
           for (const auto layout : {BLayout::kRowsInPlace, BLayout::kPackedRows, BLayout::kPackedTransposed}) {
             for (const bool accumulate : {false, true}) {
-              check_case(ops, {m, n, k, trans_a, layout, accumulate});
+              for (const int64_t sum_block : {int64_t{0}, int64_t{8}, tile::kScoreSumBlock}) {
+                check_case(ops, {m, n, k, trans_a, layout, accumulate, sum_block});
+              }
             }
           }
         }
@@ -238,54 +251,44 @@ TEST(PanelGemm, RoundsToTheInputTypeExactly) {
 
 }  // namespace
 
-// Products narrower than a panel (tile_products.h, narrow_panel_product) sum k in blocks of
-// kNarrowSumBlock: each block by fused multiply-adds from 0 in k order, the block sums added in order to
-// C (or to the first block). Bit for bit against that scalar loop, on the CPU's own micro-kernel.
-TEST(PanelGemm, NarrowProductsSumInBlocks) {
+// The tile products sum as tile_products.h says, on the CPU's own micro-kernel, bit for bit: score
+// products over the head in blocks of kScoreSumBlock; products with the head as columns in one chain,
+// or in blocks of kNarrowSumBlock for a head narrower than a panel.
+TEST(PanelGemm, TileProductsSumInTheirBlocks) {
   namespace kernels = causal_attention::kernels;
   const auto& ops = tile::tile_ops<float>();
   if (ops.panel_gemm == nullptr) {
     GTEST_SKIP() << "no micro-kernel on this CPU: the products go to BLAS";
   }
   torch::manual_seed(1);
-  for (const int64_t m : {1, 7, 128}) {
-    for (const int64_t n : {1, 3, 15}) {
-      for (const int64_t k : {0, 1, 8, 9, 257}) {
-        for (const bool trans_a : {false, true}) {
-          for (const bool accumulate : {false, true}) {
-            const auto a = torch::randn({m, k});  // m x k
-            const auto a_stored = trans_a ? a.t().contiguous() : a;
-            const int64_t rs_a = trans_a ? 1 : k, cs_a = trans_a ? m : 1;
-            const auto b = torch::randn({k, n});
-            std::vector<float> packed(tile::kPanel * std::max<int64_t>(k, 1));
-            ops.pack_panels(b.const_data_ptr<float>(), n, 1, k, n, packed.data());
-            auto c = torch::randn({m, n + 2});
-            const auto c_before = c.clone();
-            kernels::narrow_panel_product(m, n, k, a_stored.const_data_ptr<float>(), rs_a, cs_a,
-                                          {packed.data(), k, nullptr}, accumulate, c.data_ptr<float>(), n + 2);
-            const auto aa = a.accessor<float, 2>();
-            const auto bb = b.accessor<float, 2>();
-            const auto c0 = c_before.accessor<float, 2>();
-            const auto got = c.accessor<float, 2>();
-            int64_t wrong = 0;
-            for (int64_t i = 0; i < m; ++i) {
-              for (int64_t j = 0; j < n; ++j) {
-                float total = accumulate ? c0[i][j] : 0.0f;
-                for (int64_t k0 = 0; k0 < k; k0 += kernels::kNarrowSumBlock) {
-                  float block = 0.0f;
-                  for (int64_t kk = k0; kk < std::min(k, k0 + kernels::kNarrowSumBlock); ++kk) {
-                    block = std::fma(aa[i][kk], bb[kk][j], block);
-                  }
-                  total = (accumulate || k0 > 0) ? total + block : block;
-                }
-                wrong += got[i][j] != total;
-              }
-              wrong += got[i][n] != c0[i][n] || got[i][n + 1] != c0[i][n + 1];  // past n: untouched
-            }
-            EXPECT_EQ(wrong, 0) << "m " << m << " n " << n << " k " << k << " trans_a " << trans_a << " accumulate "
-                                << accumulate;
-          }
-        }
+  for (const int64_t rows : {1, 7, 128}) {
+    for (const int64_t hd : {1, 15, 16, 48, 80}) {
+      for (const int64_t keys : {1, 9, 257}) {
+        // Scores: (rows x hd) . (keys x hd)^T.
+        const auto q = torch::randn({rows, hd}) * 8;
+        const auto k = torch::randn({keys, hd}) * 8;
+        std::vector<float> packed(kernels::panels_size(hd, keys));
+        const auto panels = kernels::pack_transposed<float>(k.const_data_ptr<float>(), hd, keys, hd, packed.data());
+        auto s = torch::full({rows, keys}, std::numeric_limits<float>::quiet_NaN());
+        const kernels::Operand<float> q_op{q.const_data_ptr<float>(), hd, q.const_data_ptr<float>(), hd};
+        kernels::score_product<float>(q_op, k.const_data_ptr<float>(), hd, rows, keys, hd, s.data_ptr<float>(), keys,
+                                      panels);
+        const auto none = torch::zeros({rows, keys});
+        EXPECT_TRUE(torch::equal(s, fma_product(q, k.t(), none, false, tile::kScoreSumBlock)))
+            << "scores: rows " << rows << " hd " << hd << " keys " << keys;
+        // Rows: (rows x keys) . (keys x hd), accumulated onto C.
+        const auto p = torch::rand({rows, keys});
+        const auto v = torch::randn({keys, hd});
+        std::vector<float> packed_v(kernels::panels_size(keys, hd));
+        const auto v_panels = kernels::pack_rows<float>(v.const_data_ptr<float>(), hd, keys, hd, packed_v.data());
+        auto c = torch::randn({rows, hd});
+        const auto c_before = c.clone();
+        const kernels::Operand<float> p_op{p.const_data_ptr<float>(), keys, p.const_data_ptr<float>(), keys};
+        kernels::row_product<float>(false, rows, hd, keys, p_op, v.const_data_ptr<float>(), hd, v_panels, true,
+                                    c.data_ptr<float>(), hd);
+        const int64_t block = hd < tile::kPanel ? kernels::kNarrowSumBlock : 0;
+        EXPECT_TRUE(torch::equal(c, fma_product(p, v, c_before, true, block)))
+            << "rows: rows " << rows << " hd " << hd << " keys " << keys;
       }
     }
   }

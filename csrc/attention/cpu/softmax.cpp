@@ -255,11 +255,15 @@ void fma_dots(const scalar_t* x, const scalar_t* y, int64_t rows, int64_t n, acc
   for (int64_t r = 0; r < rows; ++r) {
     const scalar_t* xr = x + r * n;
     const scalar_t* yr = y + r * n;
-    acc_t acc = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      acc = std::fma(static_cast<acc_t>(xr[j]), static_cast<acc_t>(yr[j]), acc);
+    acc_t total = 0;
+    for (int64_t j0 = 0; j0 < n; j0 += kScoreSumBlock) {
+      acc_t block = 0;
+      for (int64_t j = j0; j < std::min(n, j0 + kScoreSumBlock); ++j) {
+        block = std::fma(static_cast<acc_t>(xr[j]), static_cast<acc_t>(yr[j]), block);
+      }
+      total = j0 == 0 ? block : total + block;
     }
-    out[r] = acc;
+    out[r] = total;
   }
 }
 
