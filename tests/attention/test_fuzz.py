@@ -43,6 +43,7 @@ example also depend on CA_TEST_SEED, like every other test (conftest.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -96,6 +97,11 @@ FLOOR = {
     torch.float16: 2 * torch.finfo(torch.float16).eps,
 }
 SLACK = 3.0
+# In half precision the layer's parameter gradients also allow WALK_Z standard deviations of the
+# random walk that per-token rounding errors make of a sum over tokens (_token_walk). Calibration
+# (core gradients summed over tokens, |sum error| / the walk of the other baselines, worst of 30-150
+# draws per shape): PyTorch's SDPA up to 5.0, the policy 3.4, the engine 2.2.
+WALK_Z = 5.0
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 MASK_DTYPES = (torch.bool, torch.int64, torch.int32, torch.uint8)
 LARGE_HEAD_DIMS = (48, 64, 80)
@@ -494,21 +500,55 @@ def run_layer_case(case: LayerCase) -> tuple[list[tuple[str, float, float]], lis
     y64 = reference.causal_self_attention(x64, *p64, H, bool_mask)
     exact = [y64.detach(), *torch.autograd.grad(y64, [x64, *p64], g.double())]
 
+    per_token: list[tuple[Tensor, Tensor]] = []  # each baseline's core output and grad of qkv
+
     def run_baseline(core: Callable[[Tensor, Tensor | None, int], Tensor]) -> list[Tensor]:
         # x.detach() keeps x's strides: torch's own bfloat16 linear is less exact on a strided x
         # (~2x on a sliced one) than on a contiguous copy, and that is not the engine's error.
         xb = x.detach().requires_grad_()
         pb = [p.detach().clone().requires_grad_() for p in params]
         qkv = F.linear(xb, pb[0], pb[1])  # (B, T, 3 * dim)
-        yb = F.linear(core(qkv, bool_mask, H), pb[2], pb[3])  # (B, T, dim)
-        return [yb.detach(), *torch.autograd.grad(yb, [xb, *pb], g)]
-
-    # float64: the floor alone (its rounding is ~1e-16).
-    base = None if dtype == torch.float64 else _baseline_errors(run_baseline, exact)
+        y_core = core(qkv, bool_mask, H)  # (B, T, dim)
+        yb = F.linear(y_core, pb[2], pb[3])  # (B, T, dim)
+        *grads, grad_qkv = torch.autograd.grad(yb, [xb, *pb, qkv], g)
+        per_token.append((y_core.detach(), grad_qkv))
+        return [yb.detach(), *grads]
 
     names = ["out", "grad x", "grad qkv.weight", "grad qkv.bias", "grad proj.weight", "grad proj.bias"]
+    # float64: the floor alone (its rounding is ~1e-16).
+    base = None
+    if dtype != torch.float64:
+        base = _baseline_errors(run_baseline, exact)
+    if dtype in (torch.bfloat16, torch.float16):
+        walk = _token_walk(x.detach(), params, bool_mask, H, g, per_token)
+        base = [max(b, WALK_Z / SLACK * walk.get(name, 0.0) / exact[i].abs().max().clamp_min(1.0).item())
+                for i, (name, b) in enumerate(zip(names, base))]
     ratios, found = _compare(names, ours, exact, base, dtype)
     return ratios, problems + found
+
+
+def _token_walk(x: Tensor, params: list[Tensor], mask: Tensor | None, n_heads: int, g: Tensor,
+                per_token: list[tuple[Tensor, Tensor]]) -> dict[str, float]:
+    """The parameter gradients sum B * T tokens' gradients, each with its own rounding error, so
+    their error is a random walk: any two correct implementations differ by a few of its steps in
+    either direction, and one draw of three baselines can land near 0 by chance (PyTorch's own
+    SDPA, held to 3x the other baselines on such sums, fails that in a quarter of hd = 1 draws).
+    Returned per gradient: the largest entry's standard deviation of that walk, sqrt(sum over
+    tokens of (weight x step)^2), a step being the largest of the baselines' per-token errors. A
+    bias (an error of one sign in every token) grows with B * T and stays far above it."""
+    x64 = x.double()
+    p64 = [p.detach().double() for p in params]
+    qkv64 = F.linear(x64, p64[0], p64[1]).requires_grad_()  # (B, T, 3 * dim)
+    y64 = reference.attention_core(qkv64, mask, n_heads)[0]  # (B, T, dim)
+    (grad_qkv64,) = torch.autograd.grad(F.linear(y64, p64[2], p64[3]), [qkv64], g.double())
+    step_qkv = torch.stack([(d.double() - grad_qkv64).abs() for _, d in per_token]).amax(0).flatten(0, 1)
+    step_y = torch.stack([(y.double() - y64.detach()).abs() for y, _ in per_token]).amax(0).flatten(0, 1)
+    xs, gs = x64.flatten(0, 1), g.double().flatten(0, 1)  # (B * T, dim)
+    return {
+        "grad qkv.weight": ((step_qkv**2).T @ xs**2).sqrt().max().item(),  # (3 dim, dim)
+        "grad qkv.bias": (step_qkv**2).sum(0).sqrt().max().item(),  # (3 dim,)
+        "grad proj.weight": ((gs**2).T @ step_y**2).sqrt().max().item(),  # (dim, dim)
+    }
 
 
 def _checker(kind: str, run: Callable[[Any], tuple[list[tuple[str, float, float]], list[str]]]) -> Callable[[Any], list[str]]:
@@ -617,6 +657,38 @@ def _broken_core(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int) -> 
     return (y * has[:, None, :, None]).transpose(1, 2).reshape(B, T, C // 3)
 
 
+class _BiasedCore(torch.autograd.Function):
+    """SDPA with one defect in its backward: every gradient of qkv about two units in the last place
+    of its dtype too high (a one-signed error, as a kernel that rounds dS up would make)."""
+
+    @staticmethod
+    def forward(ctx, qkv: Tensor, mask: Tensor | None, n_heads: int) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(qkv)
+        ctx.mask, ctx.n_heads = mask, n_heads
+        return _sdpa_core(qkv, mask, n_heads)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        (qkv,) = ctx.saved_tensors
+        with torch.enable_grad():
+            q = qkv.detach().requires_grad_()
+            (grad,) = torch.autograd.grad(_sdpa_core(q, ctx.mask, ctx.n_heads), q, grad_y)
+        eps = torch.finfo(grad.dtype).eps
+        return (grad.float() + 2 * eps * grad.float().abs()).to(grad.dtype), None, None
+
+
+def test_the_layer_comparison_catches_a_one_signed_gradient_error(monkeypatch) -> None:
+    """The random-walk allowance of the parameter gradients (_token_walk) leaves a bias visible: a
+    backward two units in the last place high in every token fails grad qkv.bias (at 3.4x and 2.9x
+    its tolerance in bfloat16 and float16, against 4.5x and 3.2x without the allowance)."""
+    monkeypatch.setitem(backends.RUN, "cpp", lambda qkv, mask, n_heads, dropout_p: _BiasedCore.apply(qkv, mask, n_heads))
+    for dtype in (torch.bfloat16, torch.float16):
+        case = LayerCase(B=2, T=128, H=2, hd=8, dtype=dtype, backend="cpp", mask=MaskSpec(None), x_layout="contiguous",
+                         scale=3.0, seed=7 ^ BASE_SEED)
+        _, problems = run_layer_case(case)
+        assert any("grad qkv.bias" in p for p in problems), f"{_name(dtype)}: the bias went unnoticed: {problems}"
+
+
 def _planted_cases() -> Iterator[CoreCase]:
     for dtype in DTYPES:
         spec = MaskSpec((("right", 30), ("full",)), torch.bool, "contiguous")
@@ -674,6 +746,28 @@ def test_float32_gradients_of_a_one_wide_head_over_a_long_row(draw: int) -> None
     case = LayerCase(B=B, T=T, H=1, hd=1, dtype=torch.float32, backend="cpp", mask=mask, x_layout=x_layout,
                      scale=scale, seed=seed_ ^ BASE_SEED)  # the same values whatever CA_TEST_SEED
     ratios, problems = run_layer_case(case)
+    assert not problems, problems
+
+
+# make fuzz's half-precision failures (seed 20240611, AVX-512 path): one head of width 1, whose grad
+# qkv.bias / qkv.weight are sums over the tokens of three values each, at 1.89x and 1.77x a tolerance
+# set by baselines that all happened to land near 0. Over 400 draws of the same shapes the engine's
+# summed error is the most accurate of the four (rms 0.036 against SDPA's 0.037 and the policy's
+# 0.043 in float16); _token_walk's allowance keeps such a draw from failing by luck.
+_HALF_SUM_DRAWS = [
+    LayerCase(B=3, T=129, H=1, hd=1, dtype=torch.bfloat16, backend="cpp",
+              mask=MaskSpec((("holes", 0.9, False), ("holes", 0.9, False), ("left", 33)), torch.bool, "transposed"),
+              x_layout="transposed", scale=3.0, seed=3498721),
+    LayerCase(B=3, T=62, H=1, hd=1, dtype=torch.float16, backend="cpp",
+              mask=MaskSpec((("holes", 0.5, False), ("holes", 0.5, True), ("right", 1)), torch.bool, "transposed"),
+              x_layout="contiguous", scale=3.0, seed=2),
+]
+
+
+@pytest.mark.parametrize("draw", range(len(_HALF_SUM_DRAWS)))
+def test_half_precision_parameter_gradients_summed_over_tokens(draw: int) -> None:
+    case = _HALF_SUM_DRAWS[draw]
+    ratios, problems = run_layer_case(dataclasses.replace(case, seed=case.seed ^ BASE_SEED))
     assert not problems, problems
 
 
