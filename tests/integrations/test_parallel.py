@@ -194,13 +194,17 @@ def test_demo_command_trains_like_one_process(single_demo, tmp_path, strategy):
     # The key bias's gradient is rounding residue (zero in exact arithmetic), which Adam turns
     # into steps of at most about lr: each run's key bias is its initial value plus noise of that
     # size, so the two agree within 2 * steps * lr (a NaN, an unsaved or misplaced bias fails).
-    # Every other weight, the q and v biases included, is compared tightly.
+    # Every other weight, the q and v biases included, within lr / 10: tensor parallelism sums each
+    # row-parallel product in two halves, and Adam amplifies that rounding in weights whose gradient
+    # is small (observed after 8 steps: tp 1.6e-4 in one entry of blocks.0.mlp.2.weight, ddp 1.6e-5),
+    # where a distributed bug (a gradient not reduced, a shard misplaced) moves weights by about lr
+    # at every step.
     lr = inspect.signature(demo.train).parameters["lr"].default
     steps = int(DEMO_ARGS[DEMO_ARGS.index("--steps") + 1])
     k_ours, k_theirs = key_biases(ours), key_biases(theirs)
     assert max((k_ours[k] - k_theirs[k]).abs().max().item() for k in k_ours) <= 2 * steps * lr
     ours, theirs = without_key_bias(ours), without_key_bias(theirs)
-    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= 1e-4
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= lr / 10
 
 
 TEARDOWN_PROBE = """
