@@ -30,7 +30,7 @@ build/.system-deps:
 .venv/.deps-stamp: pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q "scikit-build-core>=0.10" cmake ninja numpy "pytest>=8" "hypothesis>=6" \
+	$(PIP) install -q "scikit-build-core>=0.10" cmake ninja numpy "pytest>=8" "pytest-xdist>=3.5" "hypothesis>=6" \
 	  "rich>=13" "matplotlib>=3.7" "safetensors>=0.4" "tqdm>=4.66"
 	# Test-only: transformers' GPT-2 is the peer the checkpoint converters are checked against
 	# (models are built from configs with random weights; nothing is downloaded).
@@ -46,11 +46,17 @@ setup: build/.system-deps .venv/.deps-stamp
 install: setup
 	$(PIP) install -q --no-build-isolation --no-deps $(CMAKE_DEFINES) .
 
+# The suites are CPU-bound on two cores: TEST_JOBS processes (ctest's, and pytest-xdist workers that
+# take whole files, so that a file's module fixtures are built once), with OpenMP's idle threads
+# sleeping instead of spinning, so that the processes' threads share the cores.
+TEST_JOBS ?= 2
+TEST_ENV := OMP_WAIT_POLICY=PASSIVE
+
 test-cpp: install
-	ctest --test-dir $(BUILD) --output-on-failure
+	$(TEST_ENV) ctest --test-dir $(BUILD) --output-on-failure -j $(TEST_JOBS)
 
 test-py: install
-	$(PY) -m pytest tests --durations=25
+	$(TEST_ENV) $(PY) -m pytest tests -n $(TEST_JOBS) --dist loadfile --durations=25
 
 test: test-cpp test-py
 

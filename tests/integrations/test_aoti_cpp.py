@@ -15,6 +15,7 @@ Two AOTInductor compiles and one C++ translation unit: about two minutes on two 
 from __future__ import annotations
 
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 
@@ -85,16 +86,6 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GPT, CausalSe
     program = example_program(
         readme_cpp_block(SECTION, page=DEPLOYMENT), made_by="tests/integrations/test_aoti_cpp.py", prologue=[], checks=CHECKS,
         includes=["cstdlib", "fstream", "iostream", "iterator", "string", "vector", "torch/serialize.h"])
-    torch.manual_seed(0)
-    gpt = GPT(GPT_CONFIG).eval()
-    layer = CausalSelfAttention(LAYER_DIM, LAYER_HEADS).eval()
-    # Exported at one size (with padding), run at others.
-    tokens = torch.randint(0, GPT_CONFIG.vocab_size, (2, 9))
-    compile_package(gpt, (tokens, ragged_mask([9, 6], 9)), GPT_CONFIG.max_len, work / "gpt.pt2")
-    compile_package(layer, (torch.randn(2, 9, LAYER_DIM), ragged_mask([9, 6], 9)), 4096, work / "layer.pt2")
-    x = torch.randn(3, 113, LAYER_DIM)
-    torch.save({"x": x, "mask": ragged_mask([113, 57, 1], 113)}, work / "layer_in.pt")
-
     config = Path(causal_attention.cmake_prefix_path) / "causal_attention" / "causal_attentionConfig.cmake"
     assert config.is_file(), f"{config} is missing: the package is not installed (make install)"
     cmake_exe, ninja_exe = tool(cmake.CMAKE_BIN_DIR, "cmake"), tool(ninja.BIN_DIR, "ninja")
@@ -104,12 +95,28 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GPT, CausalSe
     (project / "main.cpp").write_text(program)
     build = project / "build"
     prefix_path = f"{causal_attention.cmake_prefix_path};{torch.utils.cmake_prefix_path}"
-    run(
-        [cmake_exe, "-S", str(project), "-B", str(build), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja_exe}",
-         f"-DCMAKE_PREFIX_PATH={prefix_path}", "-DCMAKE_BUILD_TYPE=Release"],
-        cwd=project, timeout=300,
-    )  # fmt: skip
-    run([cmake_exe, "--build", str(build)], cwd=project, timeout=600)
+
+    def build_program() -> None:
+        run(
+            [cmake_exe, "-S", str(project), "-B", str(build), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja_exe}",
+             f"-DCMAKE_PREFIX_PATH={prefix_path}", "-DCMAKE_BUILD_TYPE=Release"],
+            cwd=project, timeout=300,
+        )  # fmt: skip
+        run([cmake_exe, "--build", str(build)], cwd=project, timeout=600)
+
+    # The program compiles (one compiler process) while inductor compiles the packages.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        program_built = pool.submit(build_program)
+        torch.manual_seed(0)
+        gpt = GPT(GPT_CONFIG).eval()
+        layer = CausalSelfAttention(LAYER_DIM, LAYER_HEADS).eval()
+        # Exported at one size (with padding), run at others.
+        tokens = torch.randint(0, GPT_CONFIG.vocab_size, (2, 9))
+        compile_package(gpt, (tokens, ragged_mask([9, 6], 9)), GPT_CONFIG.max_len, work / "gpt.pt2")
+        compile_package(layer, (torch.randn(2, 9, LAYER_DIM), ragged_mask([9, 6], 9)), 4096, work / "layer.pt2")
+        x = torch.randn(3, 113, LAYER_DIM)
+        torch.save({"x": x, "mask": ragged_mask([113, 57, 1], 113)}, work / "layer_in.pt")
+        program_built.result()
     proc = subprocess.run(
         [str(build / "aoti_example")], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         timeout=300,
