@@ -68,18 +68,95 @@ def attention_core(
     return y, (weights if return_weights else None)
 
 
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    key_mask: Tensor | None = None,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    return_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Causal attention of queries that end a key sequence, with grouped key/value heads: the
+    attention of transformers' decoder models (prefill, decoding against a cache, GQA and MQA,
+    sliding windows, Gemma 2's logit softcapping).
+
+    Query head h reads key/value head h // (H / Hkv). Query i sits at position Tk - Tq + i and attends
+    key j when j <= that position, key_mask[b, j] is True (when given) and, with a window, when the
+    position minus j is less than the window (the window's keys include the query's own). Scores are
+    q . k * scale (q . k / sqrt(hd) when scale is None, as attention_core computes them), then
+    softcap * tanh(scores / softcap) with a softcap, then -inf where not allowed. A row with no
+    allowed key gives 0.
+
+    Args:
+        q: (B, H, Tq, hd).
+        k, v: (B, Hkv, Tk, hd), Hkv dividing H, Tq <= Tk.
+        key_mask: (B, Tk) bool, True = a real key, or None (every key real).
+        scale: the factor of the scores, or None for 1 / sqrt(hd).
+        window: keys per query, its own included (a positive int), or None for no limit.
+        softcap: the cap of the scores (positive), or None for none.
+        return_weights: also return the attention weights.
+
+    Returns:
+        (y, weights): y (B, H, Tq, hd); weights (B, H, Tq, Tk) or None.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D (B, heads, T, hd); got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    B, H, Tq, hd = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    if k.shape != (B, Hkv, Tk, hd) or v.shape != k.shape:
+        raise ValueError(f"k and v must be (B, Hkv, Tk, hd) = ({B}, Hkv, Tk, {hd}) alike; got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"k's heads ({Hkv}) must divide q's heads ({H})")
+    if Tq > Tk:
+        raise ValueError(f"q's length ({Tq}) must not exceed k's ({Tk}): the queries end the key sequence")
+    if key_mask is not None and (key_mask.shape != (B, Tk) or key_mask.dtype != torch.bool):
+        raise ValueError(f"key_mask must be a ({B}, {Tk}) bool tensor; got {key_mask.dtype} {tuple(key_mask.shape)}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive number of keys; got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive; got {softcap}")
+    if Hkv != H:  # (a copy changes how matmul reads them, and its rounding: none where not needed)
+        k = k.repeat_interleave(H // Hkv, dim=1)  # (B, H, Tk, hd)
+        v = v.repeat_interleave(H // Hkv, dim=1)  # (B, H, Tk, hd)
+
+    scores = q @ k.transpose(-2, -1)  # (B, H, Tq, Tk)
+    scores = scores / math.sqrt(hd) if scale is None else scores * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+
+    position = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]  # (Tq, 1): each query's position
+    key = torch.arange(Tk, device=q.device)[None, :]  # (1, Tk)
+    allowed = key <= position  # (Tq, Tk)
+    if window is not None:
+        allowed = allowed & (position - key < window)
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, None, :]  # (B, 1, Tq, Tk)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+
+    weights = torch.softmax(scores, dim=-1)  # (B, H, Tq, Tk); NaN on rows with no allowed key
+    has_key = allowed.any(dim=-1, keepdim=True)  # (B or 1, 1, Tq, 1)
+    weights = torch.where(has_key, weights, torch.zeros_like(weights))
+    y = attend(weights, allowed, v)  # (B, H, Tq, hd)
+    return y, (weights if return_weights else None)
+
+
 def attend(weights: Tensor, allowed: Tensor, v: Tensor) -> Tensor:
     """``weights @ v`` summed over the allowed keys only: a masked key (later, or padding) adds exactly
     nothing, even when it holds NaN or inf, where a matmul's 0 * NaN would carry a later position's NaN
     back to every earlier row.
 
     Args:
-        weights: (B, H, T, T), zero where not allowed.
-        allowed: (T, T) or (B, 1, T, T) bool, broadcast against weights.
-        v: (B, H, T, hd).
+        weights: (B, H, Tq, Tk), zero where not allowed.
+        allowed: (Tq, Tk) or (B, 1, Tq, Tk) bool, broadcast against weights.
+        v: (B, H, Tk, hd).
 
     Returns:
-        (B, H, T, hd): the finite values' weighted sum; where an allowed key holds a non-finite value, the
+        (B, H, Tq, hd): the finite values' weighted sum; where an allowed key holds a non-finite value, the
         sum IEEE arithmetic gives it: NaN for a NaN, for inf times a weight of 0 and for +inf with -inf, else
         the infinity.
     """
