@@ -1,8 +1,9 @@
 // Registers the engine's operators with the dispatcher: torch.ops.causal_attention.*
 //
 //   attention(qkv, key_padding_mask, n_heads, dropout_p=0, seed=None) -> out      differentiable, any device
-//   attention_forward(qkv, key_padding_mask, n_heads, dropout_p=0, seed=None) -> (out, lse)   fused CPU kernel
-//   attention_backward(grad_out, qkv, key_padding_mask, out, lse, n_heads, dropout_p=0, seed=None) -> grad_qkv
+//   attention_forward(qkv, key_padding_mask, n_heads, dropout_p=0, seed=None, n_kv_heads=None) -> (out, lse)
+//   attention_backward(grad_out, qkv, key_padding_mask, out, lse, n_heads, dropout_p=0, seed=None,
+//                      n_kv_heads=None) -> grad_qkv       the fused CPU kernel; n_kv_heads: grouped-query
 //   dropout_keep_mask(seed, B, H, T, dropout_p) -> keep (B, H, T, T) bool   the kernels' dropout decisions
 //   kv_cache_write(qkv, k_cache!, v_cache!, start, end, n_heads)    generation: static KV cache
 //   decode_attention(qkv, k_cache, v_cache, start, end, n_heads) -> out
@@ -41,8 +42,8 @@ std::tuple<at::Tensor, at::Tensor> call_forward(const at::Tensor& qkv, const Opt
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("causal_attention::attention_forward", "")
           .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptionalTensor&, int64_t, double,
-                                                    const OptionalTensor&)>();
-  return op.call(qkv, mask, n_heads, dropout_p, seed);
+                                                    const OptionalTensor&, std::optional<int64_t>)>();
+  return op.call(qkv, mask, n_heads, dropout_p, seed, std::nullopt);
 }
 
 at::Tensor call_backward(const at::Tensor& grad_out, const at::Tensor& qkv, const OptionalTensor& mask,
@@ -52,8 +53,8 @@ at::Tensor call_backward(const at::Tensor& grad_out, const at::Tensor& qkv, cons
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("causal_attention::attention_backward", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const at::Tensor&,
-                            const at::Tensor&, int64_t, double, const OptionalTensor&)>();
-  return op.call(grad_out, qkv, mask, out, lse, n_heads, dropout_p, seed);
+                            const at::Tensor&, int64_t, double, const OptionalTensor&, std::optional<int64_t>)>();
+  return op.call(grad_out, qkv, mask, out, lse, n_heads, dropout_p, seed, std::nullopt);
 }
 
 // The seed of a call with dropout: the given one, or a fresh one from the default CPU generator.
@@ -132,17 +133,27 @@ at::Tensor attention_meta(const at::Tensor& qkv, const OptionalTensor& /*mask*/,
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_meta(const at::Tensor& qkv, const OptionalTensor& mask,
-                                                          int64_t n_heads, double dropout_p, const OptionalTensor& seed) {
-  auto out = attention_meta(qkv, mask, n_heads, dropout_p, seed);  // checks n_heads and qkv's rank
-  const int64_t head_dim = qkv.sym_size(2).guard_int(__FILE__, __LINE__) / (3 * n_heads);
+                                                          int64_t n_heads, double dropout_p, const OptionalTensor& seed,
+                                                          std::optional<int64_t> n_kv_heads_in) {
+  const int64_t n_kv_heads = n_kv_heads_in.value_or(n_heads);
+  TORCH_CHECK_VALUE(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0 && qkv.dim() == 3,
+                    "qkv must be 3-D (B, T, (n_heads + 2 * n_kv_heads) * head_dim), n_heads positive and n_kv_heads "
+                    "a positive divisor of it");
+  if (n_kv_heads == n_heads) {
+    attention_meta(qkv, mask, n_heads, dropout_p, seed);  // the same checks as the op
+  }
+  check_dropout(dropout_p);
+  const int64_t head_dim = qkv.sym_size(2).guard_int(__FILE__, __LINE__) / (n_heads + 2 * n_kv_heads);
   const bool wide = qkv.scalar_type() == at::kDouble || tile::computes_in_float64(qkv.scalar_type(), head_dim);
+  auto out = at::empty_symint({qkv.sym_size(0), qkv.sym_size(1), c10::SymInt(n_heads * head_dim)}, qkv.options());
   return {out, at::empty_symint({qkv.sym_size(0), c10::SymInt(n_heads), qkv.sym_size(1)},
                                 qkv.options().dtype(wide ? at::kDouble : at::kFloat))};
 }
 
 at::Tensor attention_backward_meta(const at::Tensor& /*grad_out*/, const at::Tensor& qkv, const OptionalTensor& /*mask*/,
                                    const at::Tensor& /*out*/, const at::Tensor& /*lse*/, int64_t /*n_heads*/,
-                                   double dropout_p, const OptionalTensor& /*seed*/) {
+                                   double dropout_p, const OptionalTensor& /*seed*/,
+                                   std::optional<int64_t> /*n_kv_heads*/) {
   check_dropout(dropout_p);
   return at::empty_symint(qkv.sym_sizes(), qkv.options());
 }
@@ -218,10 +229,10 @@ TORCH_LIBRARY(causal_attention, m) {
       "Tensor");
   m.def(
       "attention_forward(Tensor qkv, Tensor? key_padding_mask, int n_heads, float dropout_p=0., "
-      "Tensor? seed=None) -> (Tensor out, Tensor lse)");
+      "Tensor? seed=None, int? n_kv_heads=None) -> (Tensor out, Tensor lse)");
   m.def(
       "attention_backward(Tensor grad_out, Tensor qkv, Tensor? key_padding_mask, Tensor out, Tensor lse, "
-      "int n_heads, float dropout_p=0., Tensor? seed=None) -> Tensor grad_qkv");
+      "int n_heads, float dropout_p=0., Tensor? seed=None, int? n_kv_heads=None) -> Tensor grad_qkv");
   m.def("dropout_keep_mask(Tensor seed, int B, int H, int T, float dropout_p) -> Tensor");
   m.def("cpu_capability() -> str");
   m.def(

@@ -18,6 +18,24 @@ void check_qkv(const at::Tensor& qkv, int64_t n_heads) {
                     ") must be 3 * dim with dim divisible by n_heads (got ", n_heads, ")");
 }
 
+void check_qkv(const at::Tensor& qkv, int64_t n_heads, int64_t n_kv_heads) {
+  if (n_kv_heads == n_heads) {
+    check_qkv(qkv, n_heads);
+    return;
+  }
+  TORCH_CHECK_VALUE(n_heads > 0, "n_heads must be positive; got ", n_heads);
+  TORCH_CHECK_VALUE(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "n_kv_heads must be positive and divide n_heads (",
+                    n_heads, "); got ", n_kv_heads);
+  TORCH_CHECK_VALUE(qkv.dim() == 3, "qkv must be 3-D (B, T, (n_heads + 2 * n_kv_heads) * head_dim); got shape ",
+                    qkv.sizes());
+  TORCH_CHECK_TYPE(at::isFloatingType(qkv.scalar_type()),
+                   "qkv must be a floating-point tensor; got dtype ", qkv.scalar_type());
+  const int64_t width = qkv.size(2);
+  TORCH_CHECK_VALUE(width > 0 && width % (n_heads + 2 * n_kv_heads) == 0, "qkv last dimension (got ", width,
+                    ") must be (n_heads + 2 * n_kv_heads) * head_dim = (", n_heads, " + 2 * ", n_kv_heads,
+                    ") * head_dim");
+}
+
 void check_dropout(double dropout_p) {
   TORCH_CHECK_VALUE(dropout_p >= 0 && dropout_p < 1, "dropout must be a probability in [0, 1); got ", dropout_p);
 }

@@ -2,9 +2,11 @@
 // recomputing backward from the saved log-sum-exp. No T x T tensor is made and the key mask is
 // never expanded beyond (B, T).
 //
-// Layout: q, k, v are read in place from qkv (B, T, 3 * dim) by strides; head h of q is columns
-// h*hd:(h+1)*hd, of k dim + h*hd..., of v 2*dim + h*hd.... The output is written as (B, T, H, hd),
-// which is (B, T, dim) for the output projection, with no transpose.
+// Layout: q, k, v are read in place from qkv (B, T, (H + 2 Hkv) * hd) by strides: q | k | v with H query
+// heads and Hkv key/value heads (Hkv divides H; Hkv = H: multi-head, qkv (B, T, 3 * dim)). Query head h
+// is columns h*hd:(h+1)*hd; it reads key/value head h / (H / Hkv), at H*hd + g*hd... (k) and (H + Hkv)*hd
+// + g*hd... (v). The output is written as (B, T, H, hd), which is (B, T, H * hd) for the output
+// projection, with no transpose.
 //
 // Work skipped: key blocks above the diagonal, key blocks with no real key, and keys past the last
 // real key of a sequence; key blocks that are all real need no element-wise mask.
@@ -72,24 +74,28 @@ MaskSummary summarize(const std::optional<at::Tensor>& mask, int64_t B, int64_t 
 // ---- Where the operands of one (batch, head) are --------------------------------------------------
 
 struct Geometry {
-  int64_t B, T, H, dim, hd, nq, nk;  // nq, nk: query and key blocks of the pass
+  int64_t B, T, H, Hkv, hd, nq, nk;  // nq, nk: query and key blocks of the pass
+  int64_t dim, kv_dim, width;        // H * hd (q and the output), Hkv * hd (k, v), qkv's row: dim + 2 kv_dim
+  int64_t group;                     // H / Hkv: the query heads of a key/value head
 };
 
-Geometry geometry(const at::Tensor& qkv, int64_t n_heads, int64_t block_q, int64_t block_k) {
-  const int64_t dim = qkv.size(2) / 3;
+Geometry geometry(const at::Tensor& qkv, int64_t n_heads, int64_t n_kv_heads, int64_t block_q, int64_t block_k) {
+  const int64_t width = qkv.size(2);
+  const int64_t hd = width / (n_heads + 2 * n_kv_heads);
   const int64_t T = qkv.size(1);
-  return {qkv.size(0), T, n_heads, dim, dim / n_heads, ceil_div(T, block_q), ceil_div(T, block_k)};
+  return {qkv.size(0), T,     n_heads, n_kv_heads, hd, ceil_div(T, block_q), ceil_div(T, block_k),
+          n_heads * hd, n_kv_heads * hd, width, n_heads / n_kv_heads};
 }
 
-// Row t of head h's q, k and v in sequence b: q + t * ld, k + t * ld, v + t * ld (hd entries each),
-// read in place from qkv (B, T, 3 * dim) whose rows are dense.
+// Row t of query head h's q, and of its key/value head's k and v, in sequence b: q + t * ld, k + t * ld,
+// v + t * ld (hd entries each), read in place from qkv whose rows are dense.
 template <typename scalar_t>
 struct HeadRows {
   HeadRows(const at::Tensor& qkv, const Geometry& g, int64_t b, int64_t h)
       : ld(row_stride(qkv)),
         q(qkv.const_data_ptr<scalar_t>() + b * qkv.stride(0) + h * g.hd),
-        k(q + g.dim),
-        v(q + 2 * g.dim) {}
+        k(qkv.const_data_ptr<scalar_t>() + b * qkv.stride(0) + g.dim + (h / g.group) * g.hd),
+        v(k + g.kv_dim) {}
   int64_t ld;
   const scalar_t* q;
   const scalar_t* k;
@@ -193,7 +199,7 @@ class ForwardPass {
   int64_t key_panels_size() const { return packed_size(products_, g_.hd, kBlockK); }
   int64_t block_panels_size() const { return key_panels_size() + packed_size(products_, kBlockK, g_.hd); }
 
-  // With a micro-kernel: the panels of every key block of every (batch, head) with a real key, packed
+  // With a micro-kernel: the panels of every key block of every (batch, key/value head) with a real key, packed
   // in parallel once per call rather than once per query block that reads them (2/3 of qkv's elements,
   // in float32 for the float32 micro-kernel, in bfloat16 for pairs, when hd is a multiple of 16; the value
   // panels round hd up to one). Undefined (no memory) where the products go to BLAS.
@@ -201,7 +207,7 @@ class ForwardPass {
     if constexpr (std::is_same_v<acc_t, float>) {
       if (products_ == Products::kPairs) {
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-          at::Tensor buf = at::empty({g_.B * g_.H * g_.nk * block_panels_size()}, at::kBFloat16);
+          at::Tensor buf = at::empty({g_.B * g_.Hkv * g_.nk * block_panels_size()}, at::kBFloat16);
           scalar_t* base = buf.data_ptr<scalar_t>();
           for_each_key_block([&](const HeadRows<scalar_t>& rows, int64_t i, int64_t k0, int64_t bk) {
             scalar_t* dst = base + i * block_panels_size();
@@ -212,7 +218,7 @@ class ForwardPass {
         }
       }
       if (products_ == Products::kPanels) {
-        at::Tensor buf = at::empty({g_.B * g_.H * g_.nk * block_panels_size()}, at::kFloat);
+        at::Tensor buf = at::empty({g_.B * g_.Hkv * g_.nk * block_panels_size()}, at::kFloat);
         float* base = buf.data_ptr<float>();
         for_each_key_block([&](const HeadRows<scalar_t>& rows, int64_t i, int64_t k0, int64_t bk) {
           float* dst = base + i * block_panels_size();
@@ -225,34 +231,36 @@ class ForwardPass {
     return {};
   }
 
-  // f(rows, i, k0, bk) in parallel for each key block i = bh * nk + kb with a real key: its (batch, head)'s
-  // rows, first key and keys up to the last real one.
+  // f(rows, i, k0, bk) in parallel for each key block i = bg * nk + kb with a real key: the rows of its
+  // (batch, key/value head) bg (those of the group's first query head), first key and keys up to the
+  // last real one.
   template <typename F>
   void for_each_key_block(const F& f) const {
-    at::parallel_for(0, g_.B * g_.H * g_.nk, 1, [&](int64_t i0, int64_t i1) {
+    at::parallel_for(0, g_.B * g_.Hkv * g_.nk, 1, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t bh = i / g_.nk;
-        const int64_t b = bh / g_.H;
+        const int64_t bg = i / g_.nk;
+        const int64_t b = bg / g_.Hkv;
         const int64_t k0 = (i % g_.nk) * kBlockK;
         if (summary_.status[b * g_.nk + i % g_.nk] == kNoneReal || k0 >= summary_.key_end[b]) {
           continue;
         }
-        f(HeadRows<scalar_t>(qkv_, g_, b, bh % g_.H), i, k0, std::min(summary_.key_end[b], k0 + kBlockK) - k0);
+        f(HeadRows<scalar_t>(qkv_, g_, b, (bg % g_.Hkv) * g_.group), i, k0,
+          std::min(summary_.key_end[b], k0 + kBlockK) - k0);
       }
     });
   }
 
-  // The panels of key block kb of (batch, head) bh in pack_key_blocks' buffer (empty when undefined).
-  KeyBlockPanels<acc_t> block_panels(const at::Tensor& panels, int64_t bh, int64_t kb, int64_t bk) const {
+  // The panels of key block kb of (batch, key/value head) bg in pack_key_blocks' buffer (empty when undefined).
+  KeyBlockPanels<acc_t> block_panels(const at::Tensor& panels, int64_t bg, int64_t kb, int64_t bk) const {
     if (!panels.defined()) {
       return {};
     }
     if (products_ == Products::kPairs) {
       const auto* block =
-          static_cast<const c10::BFloat16*>(panels.const_data_ptr()) + (bh * g_.nk + kb) * block_panels_size();
+          static_cast<const c10::BFloat16*>(panels.const_data_ptr()) + (bg * g_.nk + kb) * block_panels_size();
       return {{nullptr, g_.hd, block}, {nullptr, bk, block + key_panels_size()}, {}};
     }
-    const acc_t* block = panels.const_data_ptr<acc_t>() + (bh * g_.nk + kb) * block_panels_size();
+    const acc_t* block = panels.const_data_ptr<acc_t>() + (bg * g_.nk + kb) * block_panels_size();
     return {{block, g_.hd}, {block + key_panels_size(), bk}, {}};
   }
 
@@ -276,7 +284,8 @@ class ForwardPass {
       }
       const int64_t k0 = kb * kBlockK;
       const bool* key_mask = (st == kMixed) ? summary_.mask + b * g_.T + k0 : nullptr;
-      const auto block = block_panels(panels, bh, kb, std::min(summary_.key_end[b], k0 + kBlockK) - k0);
+      const auto block = block_panels(panels, b * g_.Hkv + h / g_.group, kb,
+                                      std::min(summary_.key_end[b], k0 + kBlockK) - k0);
       causal_tiles(q0, bq, k0, std::min(k_stop, k0 + kBlockK) - k0, [&](int64_t r0, int64_t r1, int64_t cols) {
         tile(rows, q_block, bh, q0 + r0, r0, r1 - r0, k0, cols, key_mask, block, ws);
       });
@@ -337,13 +346,13 @@ class ForwardPass {
 template <typename scalar_t>
 struct BackwardWorkspace {
   using acc_t = at::opmath_type<scalar_t>;
-  BackwardWorkspace(int64_t T, int64_t hd, bool dropout, Products products)
+  BackwardWorkspace(int64_t T, int64_t hd, int64_t group, bool dropout, Products products)
       : p(kBwdBlockQ * kBwdBlockK),
         dp(kBwdBlockQ * kBwdBlockK),
         p_drop(dropout ? kBwdBlockQ * kBwdBlockK : 0),
         p_in(kReduced<scalar_t> && products == Products::kBlas ? kBwdBlockQ * kBwdBlockK : 0),
         ds_in(kReduced<scalar_t> && products == Products::kBlas ? kBwdBlockQ * kBwdBlockK : 0),
-        dq(T * hd),
+        dq(group * T * hd),
         dk(kBwdBlockK * hd),
         dv(kBwdBlockK * hd),
         p_wide(kReduced<scalar_t> && products == Products::kPanels ? kBwdBlockQ * kBwdBlockK : 0),
@@ -356,7 +365,7 @@ struct BackwardWorkspace {
   std::vector<acc_t> p_drop;     // with dropout: P_drop
   std::vector<scalar_t> p_in;    // bfloat16 / half: P (or P_drop) in the input type, for P^T dO
   std::vector<scalar_t> ds_in;   // bfloat16 / half: dS in the input type, for dS K and dS^T Q
-  std::vector<acc_t> dq;         // (T, hd) of the head
+  std::vector<acc_t> dq;         // (group, T, hd): the key/value head's query heads
   std::vector<acc_t> dk, dv;     // (block_k, hd) of the key block
   PanelBuffer<scalar_t> keys, values, key_rows;  // the micro-kernel's panels of the key block (tile_products.h)
   PanelBuffer<scalar_t> query_rows, dout_rows;   // and of a query block's q and dO
@@ -387,12 +396,13 @@ class BackwardPass {
         grad_(grad_qkv.data_ptr<scalar_t>()),
         scale_(acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd))) {}
 
-  // Work items are (batch, head), costing the keys of the sequence.
+  // Work items are (batch, key/value head), costing the keys of the sequence: dK and dV sum over the
+  // group's query heads.
   void run() const {
-    const auto order = costliest_first(g_.B * g_.H, [&](int64_t bh) { return summary_.key_end[bh / g_.H]; });
+    const auto order = costliest_first(g_.B * g_.Hkv, [&](int64_t bg) { return summary_.key_end[bg / g_.Hkv]; });
     run_items(
-        order, [&] { return BackwardWorkspace<scalar_t>(g_.T, g_.hd, drop_.has_value(), products_); },
-        [&](int64_t bh, BackwardWorkspace<scalar_t>& ws) { head(bh, ws); });
+        order, [&] { return BackwardWorkspace<scalar_t>(g_.T, g_.hd, g_.group, drop_.has_value(), products_); },
+        [&](int64_t bg, BackwardWorkspace<scalar_t>& ws) { kv_head(bg, ws); });
   }
 
  private:
@@ -416,33 +426,35 @@ class BackwardPass {
     return result;
   }
 
-  // The rows of grad_qkv of sequence b (ld 3 * dim).
-  scalar_t* grad_rows(int64_t b) const { return grad_ + b * g_.T * 3 * g_.dim; }
+  // The rows of grad_qkv of sequence b (ld width).
+  scalar_t* grad_rows(int64_t b) const { return grad_ + b * g_.T * g_.width; }
 
-  // dK and dV of keys k0..k1 of (b, h) that no query may attend (padding) are zero.
-  void zero_key_rows(int64_t b, int64_t h, int64_t k0, int64_t k1) const {
+  // dK and dV of keys k0..k1 of (b, key/value head kv) that no query may attend (padding) are zero.
+  void zero_key_rows(int64_t b, int64_t kv, int64_t k0, int64_t k1) const {
     for (int64_t t = k0; t < k1; ++t) {
-      scalar_t* row = grad_rows(b) + t * 3 * g_.dim + h * g_.hd;
-      std::fill(row + g_.dim, row + g_.dim + g_.hd, scalar_t(0));
-      std::fill(row + 2 * g_.dim, row + 2 * g_.dim + g_.hd, scalar_t(0));
+      scalar_t* row = grad_rows(b) + t * g_.width + g_.dim + kv * g_.hd;
+      std::fill(row, row + g_.hd, scalar_t(0));
+      std::fill(row + g_.kv_dim, row + g_.kv_dim + g_.hd, scalar_t(0));
     }
   }
 
-  // dQ, dK, dV of one (batch, head): key blocks in order, each against the queries that see it.
-  void head(int64_t bh, BackwardWorkspace<scalar_t>& ws) const {
-    const int64_t b = bh / g_.H;
-    const int64_t h = bh % g_.H;
-    const HeadRows<scalar_t> rows(qkv_, g_, b, h);
-    const int64_t ld_grad = 3 * g_.dim;
+  // dQ of a key/value head's query heads, and its dK, dV: key blocks in order, each against the
+  // queries of every head of the group that see it (in head order), dK and dV summed over them.
+  void kv_head(int64_t bg, BackwardWorkspace<scalar_t>& ws) const {
+    const int64_t b = bg / g_.Hkv;
+    const int64_t kv = bg % g_.Hkv;
+    const int64_t h0 = kv * g_.group;  // the group's first query head
+    const HeadRows<scalar_t> rows(qkv_, g_, b, h0);  // k and v: the group's
+    const int64_t ld_grad = g_.width;
     const int64_t key_end = summary_.key_end[b];
     std::fill(ws.dq.begin(), ws.dq.end(), acc_t(0));
-    zero_key_rows(b, h, key_end, g_.T);
+    zero_key_rows(b, kv, key_end, g_.T);
     for (int64_t kb = 0; kb * kBwdBlockK < key_end; ++kb) {
       const uint8_t st = summary_.status[b * g_.nk + kb];
       const int64_t k0 = kb * kBwdBlockK;
       const int64_t bk = std::min(key_end, k0 + kBwdBlockK) - k0;
       if (st == kNoneReal) {
-        zero_key_rows(b, h, k0, k0 + bk);
+        zero_key_rows(b, kv, k0, k0 + bk);
         continue;
       }
       const bool* key_mask = (st == kMixed) ? summary_.mask + b * g_.T + k0 : nullptr;
@@ -452,23 +464,32 @@ class BackwardPass {
           transposed_panels<scalar_t>(rows.k + k0 * rows.ld, rows.ld, bk, g_.hd, ws.keys, products_),
           transposed_panels<scalar_t>(rows.v + k0 * rows.ld, rows.ld, bk, g_.hd, ws.values, products_),
           row_panels<scalar_t>(rows.k + k0 * rows.ld, rows.ld, bk, g_.hd, ws.key_rows, products_)};
-      for (int64_t q0 = (k0 / kBwdBlockQ) * kBwdBlockQ; q0 < g_.T; q0 += kBwdBlockQ) {
-        causal_tiles(q0, std::min(g_.T, q0 + kBwdBlockQ) - q0, k0, bk, [&](int64_t r0, int64_t r1, int64_t cols) {
-          tile(rows, b, h, q0 + r0, r1 - r0, k0, cols, key_mask, panels, ws);
-        });
+      for (int64_t i = 0; i < g_.group; ++i) {
+        const HeadRows<scalar_t> head_rows(qkv_, g_, b, h0 + i);
+        acc_t* dq = ws.dq.data() + i * g_.T * g_.hd;
+        for (int64_t q0 = (k0 / kBwdBlockQ) * kBwdBlockQ; q0 < g_.T; q0 += kBwdBlockQ) {
+          causal_tiles(q0, std::min(g_.T, q0 + kBwdBlockQ) - q0, k0, bk, [&](int64_t r0, int64_t r1, int64_t cols) {
+            tile(head_rows, b, h0 + i, q0 + r0, r1 - r0, k0, cols, key_mask, panels, dq, ws);
+          });
+        }
       }
       const auto& ops = tile::tile_ops<scalar_t>();
-      scalar_t* grad_k0 = grad_rows(b) + k0 * ld_grad + h * g_.hd;
-      ops.store(ws.dk.data(), g_.hd, bk, g_.hd, grad_k0 + g_.dim, ld_grad);
-      ops.store(ws.dv.data(), g_.hd, bk, g_.hd, grad_k0 + 2 * g_.dim, ld_grad);
+      scalar_t* grad_k0 = grad_rows(b) + k0 * ld_grad + g_.dim + kv * g_.hd;
+      ops.store(ws.dk.data(), g_.hd, bk, g_.hd, grad_k0, ld_grad);
+      ops.store(ws.dv.data(), g_.hd, bk, g_.hd, grad_k0 + g_.kv_dim, ld_grad);
     }
-    tile::tile_ops<scalar_t>().store(ws.dq.data(), g_.hd, g_.T, g_.hd, grad_rows(b) + h * g_.hd, ld_grad);
+    for (int64_t i = 0; i < g_.group; ++i) {
+      tile::tile_ops<scalar_t>().store(ws.dq.data() + i * g_.T * g_.hd, g_.hd, g_.T, g_.hd,
+                                       grad_rows(b) + (h0 + i) * g_.hd, ld_grad);
+    }
   }
 
-  // Queries q..q+n against keys k0..k0+cols: P, dP, then dV += P_drop^T dO, dS = scale * P (dP_drop - delta),
-  // dQ += dS K, dK += dS^T Q. Products in the input type (P and dS rounded to it) with acc_t sums.
+  // Queries q..q+n of head h against keys k0..k0+cols: P, dP, then dV += P_drop^T dO, dS = scale * P
+  // (dP_drop - delta), dQ += dS K (dq: the head's (T, hd)), dK += dS^T Q. Products in the input type (P and
+  // dS rounded to it) with acc_t sums.
   void tile(const HeadRows<scalar_t>& rows, int64_t b, int64_t h, int64_t q, int64_t n, int64_t k0, int64_t cols,
-            const bool* key_mask, const KeyBlockPanels<acc_t>& panels, BackwardWorkspace<scalar_t>& ws) const {
+            const bool* key_mask, const KeyBlockPanels<acc_t>& panels, acc_t* dq,
+            BackwardWorkspace<scalar_t>& ws) const {
     const auto& acc_ops = tile::tile_ops<acc_t>();
     const int64_t bh = b * g_.H + h;
     const int64_t hd = g_.hd;
@@ -512,7 +533,7 @@ class BackwardPass {
       return input_operand<scalar_t>(dp, ws.ds_in.data(), ws.ds_wide.data(), cols, n, cols, products_,
                                      {ws.ds_pairs.data(), ws.ds_tpairs.data()});
     }();
-    row_product<scalar_t>(false, n, hd, cols, ds, k_rows, rows.ld, panels.key_rows, true, ws.dq.data() + q * hd,
+    row_product<scalar_t>(false, n, hd, cols, ds, k_rows, rows.ld, panels.key_rows, true, dq + q * hd,
                           hd);  // dQ += dS K
     row_product<scalar_t>(true, cols, hd, n, ds, q_rows, rows.ld,
                           row_panels<scalar_t>(q_rows, rows.ld, n, hd, ws.query_rows, products_), true, ws.dk.data(),
@@ -527,13 +548,14 @@ class BackwardPass {
   const at::Tensor delta_t_;  // (B, T, H) acc_t, owns delta_
   const acc_t* delta_;
   const acc_t* lse_;
-  const scalar_t* dout_;  // (B, T, dim)
-  scalar_t* grad_;        // (B, T, 3 * dim)
+  const scalar_t* dout_;  // (B, T, H * hd)
+  scalar_t* grad_;        // (B, T, width)
   const acc_t scale_;
 };
 
-void check_cpu_inputs(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, int64_t n_heads) {
-  check_qkv(qkv, n_heads);
+void check_cpu_inputs(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, int64_t n_heads,
+                      int64_t n_kv_heads) {
+  check_qkv(qkv, n_heads, n_kv_heads);
   TORCH_CHECK_VALUE(qkv.device().is_cpu(), "the CPU attention kernel takes CPU tensors; got qkv on ",
                     qkv.device());
   if (mask.has_value()) {
@@ -562,8 +584,8 @@ std::optional<at::Tensor> contiguous_mask(const std::optional<at::Tensor>& mask)
   return mask.has_value() ? std::optional<at::Tensor>(mask->contiguous()) : std::nullopt;
 }
 
-bool computes_in_float64(const at::Tensor& qkv, int64_t n_heads) {
-  return tile::computes_in_float64(qkv.scalar_type(), qkv.size(2) / (3 * n_heads));
+bool computes_in_float64(const at::Tensor& qkv, int64_t n_heads, int64_t n_kv_heads) {
+  return tile::computes_in_float64(qkv.scalar_type(), qkv.size(2) / (n_heads + 2 * n_kv_heads));
 }
 
 }  // namespace
@@ -571,16 +593,18 @@ bool computes_in_float64(const at::Tensor& qkv, int64_t n_heads) {
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& qkv_in,
                                                          const std::optional<at::Tensor>& mask_in,
                                                          int64_t n_heads, double dropout_p,
-                                                         const std::optional<at::Tensor>& seed) {
-  check_cpu_inputs(qkv_in, mask_in, n_heads);
-  if (computes_in_float64(qkv_in, n_heads)) {
-    auto [out, lse] = attention_forward_cpu(qkv_in.to(at::kDouble), mask_in, n_heads, dropout_p, seed);
+                                                         const std::optional<at::Tensor>& seed,
+                                                         std::optional<int64_t> n_kv_heads_in) {
+  const int64_t n_kv_heads = n_kv_heads_in.value_or(n_heads);
+  check_cpu_inputs(qkv_in, mask_in, n_heads, n_kv_heads);
+  if (computes_in_float64(qkv_in, n_heads, n_kv_heads)) {
+    auto [out, lse] = attention_forward_cpu(qkv_in.to(at::kDouble), mask_in, n_heads, dropout_p, seed, n_kv_heads);
     return {out.to(at::kFloat), lse};
   }
   const auto drop = dropout_of(dropout_p, seed);
   const auto qkv = blas_rows(qkv_in);
   const auto mask = contiguous_mask(mask_in);
-  const auto g = geometry(qkv, n_heads, kBlockQ, kBlockK);
+  const auto g = geometry(qkv, n_heads, n_kv_heads, kBlockQ, kBlockK);
   const auto acc_dtype = qkv.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   auto out = at::empty({g.B, g.T, g.dim}, qkv.options());
   auto lse = at::empty({g.B, g.H, g.T}, qkv.options().dtype(acc_dtype));
@@ -596,24 +620,26 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& qkv_i
 at::Tensor attention_backward_cpu(const at::Tensor& grad_out_in, const at::Tensor& qkv_in,
                                   const std::optional<at::Tensor>& mask_in, const at::Tensor& out,
                                   const at::Tensor& lse, int64_t n_heads, double dropout_p,
-                                  const std::optional<at::Tensor>& seed) {
-  check_cpu_inputs(qkv_in, mask_in, n_heads);
-  if (computes_in_float64(qkv_in, n_heads)) {
+                                  const std::optional<at::Tensor>& seed, std::optional<int64_t> n_kv_heads_in) {
+  const int64_t n_kv_heads = n_kv_heads_in.value_or(n_heads);
+  check_cpu_inputs(qkv_in, mask_in, n_heads, n_kv_heads);
+  if (computes_in_float64(qkv_in, n_heads, n_kv_heads)) {
     return attention_backward_cpu(grad_out_in.to(at::kDouble), qkv_in.to(at::kDouble), mask_in,
-                                  out.to(at::kDouble), lse.to(at::kDouble), n_heads, dropout_p, seed)
+                                  out.to(at::kDouble), lse.to(at::kDouble), n_heads, dropout_p, seed, n_kv_heads)
         .to(at::kFloat);
   }
   const auto drop = dropout_of(dropout_p, seed);
   const auto qkv = blas_rows(qkv_in);
   const auto mask = contiguous_mask(mask_in);
-  const auto g = geometry(qkv, n_heads, kBwdBlockQ, kBwdBlockK);
+  const auto g = geometry(qkv, n_heads, n_kv_heads, kBwdBlockQ, kBwdBlockK);
   TORCH_CHECK_VALUE(grad_out_in.sizes() == out.sizes() && out.sizes() == at::IntArrayRef({g.B, g.T, g.dim}),
-                    "grad_out and out must have shape (B, T, dim) = (", g.B, ", ", g.T, ", ", g.dim, "); got ",
+                    "grad_out and out must have shape (B, T, n_heads * head_dim) = (", g.B, ", ", g.T, ", ", g.dim,
+                    "); got ",
                     grad_out_in.sizes(), " and ", out.sizes());
   TORCH_CHECK_VALUE(lse.sizes() == at::IntArrayRef({g.B, g.H, g.T}), "lse must have shape (B, H, T); got ",
                     lse.sizes());
   const auto grad_out = grad_out_in.to(qkv.scalar_type()).contiguous();
-  auto grad_qkv = at::empty({g.B, g.T, 3 * g.dim}, qkv.options());  // every element is written
+  auto grad_qkv = at::empty({g.B, g.T, g.width}, qkv.options());  // every element is written
   if (grad_qkv.numel() == 0) {
     return grad_qkv;
   }

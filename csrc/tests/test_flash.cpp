@@ -173,3 +173,49 @@ TEST(Kernel, FewRowsLinearMatchesLinear) {
 }
 
 }  // namespace
+
+// Grouped-query attention (n_kv_heads): the forward equals multi-head attention on k and v repeated for
+// every query head of a group, bit for bit; the backward's dQ equals it, and dK, dV of a key/value head
+// are the sums over its query heads' (within float64 rounding).
+TEST(KernelGqa, EqualsMultiHeadOnRepeatedKeysAndValues) {
+  torch::manual_seed(7);
+  const int64_t B = 2, T = 140, H = 6, Hkv = 2, hd = 16, group = H / Hkv;
+  const auto qkv = torch::randn({B, T, (H + 2 * Hkv) * hd}, torch::kFloat64);
+  const auto mask = torch::arange(T).unsqueeze(0) < torch::tensor({T, int64_t{90}}).unsqueeze(1);
+  const auto parts = qkv.split({H * hd, Hkv * hd, Hkv * hd}, 2);
+  const auto repeat = [&](const torch::Tensor& t) {
+    return t.unflatten(2, {Hkv, hd}).repeat_interleave(group, 2).flatten(2);
+  };
+  const auto mha = torch::cat({parts[0], repeat(parts[1]), repeat(parts[2])}, 2);  // (B, T, 3 * H * hd)
+  const auto [out, lse] = kernels::attention_forward_cpu(qkv, mask, H, 0.0, std::nullopt, Hkv);
+  const auto [out_mha, lse_mha] = kernels::attention_forward_cpu(mha, mask, H);
+  ASSERT_EQ(out.sizes(), torch::IntArrayRef({B, T, H * hd}));
+  EXPECT_TRUE(torch::equal(out, out_mha));
+  EXPECT_TRUE(torch::equal(lse, lse_mha));
+
+  const auto grad_out = torch::randn_like(out);
+  const auto grad = kernels::attention_backward_cpu(grad_out, qkv, mask, out, lse, H, 0.0, std::nullopt, Hkv);
+  const auto grad_mha = kernels::attention_backward_cpu(grad_out, mha, mask, out_mha, lse_mha, H);
+  ASSERT_EQ(grad.sizes(), qkv.sizes());
+  const auto g = grad.split({H * hd, Hkv * hd, Hkv * hd}, 2);
+  const auto gm = grad_mha.split({H * hd, H * hd, H * hd}, 2);
+  const auto group_sum = [&](const torch::Tensor& t) { return t.unflatten(2, {Hkv, group, hd}).sum(3).flatten(2); };
+  EXPECT_TRUE(torch::equal(g[0], gm[0]));
+  EXPECT_LE(max_abs_diff(g[1], group_sum(gm[1])), 1e-12);
+  EXPECT_LE(max_abs_diff(g[2], group_sum(gm[2])), 1e-12);
+}
+
+TEST(KernelGqa, BadHeadCountsAreNamed) {
+  const auto qkv = torch::randn({1, 3, 8 * 16});
+  EXPECT_THROW(
+      {
+        try {
+          kernels::attention_forward_cpu(qkv, std::nullopt, 4, 0.0, std::nullopt, 3);
+        } catch (const c10::ValueError& e) {
+          EXPECT_NE(std::string(e.what()).find("n_kv_heads must be positive and divide n_heads (4); got 3"),
+                    std::string::npos);
+          throw;
+        }
+      },
+      c10::ValueError);
+}

@@ -28,6 +28,9 @@ namespace causal_attention {
 
 // Validates (qkv, n_heads) for the attention core: 3-D, floating, last dim = 3 * n_heads * hd.
 void check_qkv(const at::Tensor& qkv, int64_t n_heads);
+// The same with n_kv_heads key/value heads (grouped-query attention): n_kv_heads divides n_heads and the
+// last dim is (n_heads + 2 * n_kv_heads) * hd, q | k | v.
+void check_qkv(const at::Tensor& qkv, int64_t n_heads, int64_t n_kv_heads);
 
 // Validates a user key padding mask against x (B, T, dim) and returns it as a bool (B, T)
 // tensor (an integer 0/1 mask means the same as bool; a float mask is ambiguous: TypeError).
@@ -82,20 +85,24 @@ at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Te
 at::Tensor attention_math(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
                           int64_t n_heads, double dropout_p = 0.0, const std::optional<at::Tensor>& keep = std::nullopt);
 
-// Fused CPU forward: (out (B, T, dim), lse (B, H, T)). lse is float32 (float64 for float64 inputs);
+// Fused CPU forward: (out (B, T, H * hd), lse (B, H, T)). lse is float32 (float64 for float64 inputs);
 // a query with no allowed key has out = 0 and lse = +inf. key_padding_mask: bool (B, T) or none.
 // dropout_p > 0: attention-weight dropout with this seed (lse stays the softmax's, before dropout).
+// n_kv_heads: grouped-query attention, qkv (B, T, (H + 2 Hkv) * hd) and query head h reading key/value
+// head h / (H / Hkv); none: Hkv = H, qkv (B, T, 3 * dim).
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& qkv,
                                                          const std::optional<at::Tensor>& key_padding_mask,
                                                          int64_t n_heads, double dropout_p = 0.0,
-                                                         const std::optional<at::Tensor>& seed = std::nullopt);
+                                                         const std::optional<at::Tensor>& seed = std::nullopt,
+                                                         std::optional<int64_t> n_kv_heads = std::nullopt);
 
-// Fused CPU backward from the forward's out and lse: grad_qkv (B, T, 3 * dim). dropout_p and seed
-// must be the forward's: the keep decisions are regenerated.
+// Fused CPU backward from the forward's out and lse: grad_qkv, qkv's shape. dropout_p, seed and
+// n_kv_heads must be the forward's: the keep decisions are regenerated.
 at::Tensor attention_backward_cpu(const at::Tensor& grad_out, const at::Tensor& qkv,
                                   const std::optional<at::Tensor>& key_padding_mask, const at::Tensor& out,
                                   const at::Tensor& lse, int64_t n_heads, double dropout_p = 0.0,
-                                  const std::optional<at::Tensor>& seed = std::nullopt);
+                                  const std::optional<at::Tensor>& seed = std::nullopt,
+                                  std::optional<int64_t> n_kv_heads = std::nullopt);
 
 // dropout_keep_mask on the CPU (the seed is a CPU tensor).
 at::Tensor dropout_keep_mask_cpu(const at::Tensor& seed, int64_t B, int64_t H, int64_t T, double dropout_p);

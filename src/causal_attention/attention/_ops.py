@@ -48,24 +48,28 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        qkv: Tensor, mask: Tensor | None, n_heads: int, dropout_p: float, seed: Tensor | None
+        qkv: Tensor, mask: Tensor | None, n_heads: int, dropout_p: float, seed: Tensor | None, n_kv_heads: int | None,
     ) -> tuple[Tensor, Tensor]:
-        return torch.ops.causal_attention.attention_forward(qkv, mask, n_heads, dropout_p, seed)
+        if n_kv_heads is None:  # the multi-head op call (as DTensor's sharding rules and traced graphs know it)
+            return torch.ops.causal_attention.attention_forward(qkv, mask, n_heads, dropout_p, seed)
+        return torch.ops.causal_attention.attention_forward(qkv, mask, n_heads, dropout_p, seed, n_kv_heads)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-        qkv, mask, n_heads, dropout_p, seed = inputs
+        qkv, mask, n_heads, dropout_p, seed, n_kv_heads = inputs
         out, lse = output
         ctx.save_for_backward(qkv, mask, out, lse, seed)
         ctx.n_heads = n_heads
         ctx.dropout_p = dropout_p
+        ctx.n_kv_heads = n_kv_heads
         ctx.mark_non_differentiable(lse)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         qkv, mask, out, lse, seed = ctx.saved_tensors
-        grad_qkv = _AttentionBackwardFunction.apply(grad_out, qkv, mask, out, lse, ctx.n_heads, ctx.dropout_p, seed)
-        return grad_qkv, None, None, None, None
+        grad_qkv = _AttentionBackwardFunction.apply(grad_out, qkv, mask, out, lse, ctx.n_heads, ctx.dropout_p, seed,
+                                                    ctx.n_kv_heads)
+        return grad_qkv, None, None, None, None, None
 
 
 class _AttentionBackwardFunction(torch.autograd.Function):
@@ -81,40 +85,46 @@ class _AttentionBackwardFunction(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         grad_out: Tensor, qkv: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor, n_heads: int, dropout_p: float,
-        seed: Tensor | None,
+        seed: Tensor | None, n_kv_heads: int | None,
     ) -> Tensor:
-        return torch.ops.causal_attention.attention_backward(grad_out, qkv, mask, out, lse, n_heads, dropout_p, seed)
+        if n_kv_heads is None:
+            return torch.ops.causal_attention.attention_backward(grad_out, qkv, mask, out, lse, n_heads, dropout_p,
+                                                                 seed)
+        return torch.ops.causal_attention.attention_backward(grad_out, qkv, mask, out, lse, n_heads, dropout_p, seed,
+                                                             n_kv_heads)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        grad_out, qkv, mask, _out, _lse, n_heads, dropout_p, seed = inputs
+        grad_out, qkv, mask, _out, _lse, n_heads, dropout_p, seed, n_kv_heads = inputs
         ctx.save_for_backward(grad_out, qkv, mask, seed)
         ctx.n_heads = n_heads
         ctx.dropout_p = dropout_p
+        ctx.n_kv_heads = n_kv_heads
 
     @staticmethod
-    def backward(ctx: Any, grad_grad_qkv: Tensor) -> tuple[Tensor, Tensor, None, None, None, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad_grad_qkv: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         grad_out, qkv, mask, seed = ctx.saved_tensors
-        first_grad = _reference_first_grad(qkv, mask, ctx.n_heads, ctx.dropout_p, seed)
+        first_grad = _reference_first_grad(qkv, mask, ctx.n_heads, ctx.dropout_p, seed, ctx.n_kv_heads)
         _, vjp2 = torch.func.vjp(first_grad, grad_out, qkv)
         d_grad_out, d_qkv = vjp2(grad_grad_qkv)
-        return d_grad_out, d_qkv, None, None, None, None, None, None
+        return d_grad_out, d_qkv, None, None, None, None, None, None, None
 
 
-def _reference_core(qkv: Tensor, mask: Tensor | None, n_heads: int, dropout_p: float,
-                    seed: Tensor | None) -> Callable[[Tensor], Tensor]:
+def _reference_core(qkv: Tensor, mask: Tensor | None, n_heads: int, dropout_p: float, seed: Tensor | None,
+                    n_kv_heads: int | None = None) -> Callable[[Tensor], Tensor]:
     """qkv -> the reference's attention output, with the engine's dropout decisions (those of seed)."""
     keep = None
     if dropout_p > 0:
         B, T = qkv.shape[0], qkv.shape[1]
         keep = torch.ops.causal_attention.dropout_keep_mask(seed, B, n_heads, T, dropout_p)  # (B, H, T, T)
-    return lambda q: reference.attention_core(q, mask, n_heads, dropout_p=dropout_p, keep=keep)[0]
+    return lambda q: reference.attention_core(q, mask, n_heads, n_kv_heads=n_kv_heads, dropout_p=dropout_p,
+                                              keep=keep)[0]
 
 
-def _reference_first_grad(qkv: Tensor, mask: Tensor | None, n_heads: int, dropout_p: float,
-                          seed: Tensor | None) -> Callable[[Tensor, Tensor], Tensor]:
+def _reference_first_grad(qkv: Tensor, mask: Tensor | None, n_heads: int, dropout_p: float, seed: Tensor | None,
+                          n_kv_heads: int | None = None) -> Callable[[Tensor, Tensor], Tensor]:
     """(grad_out, qkv) -> the reference's gradient of qkv: what attention_backward computes, differentiable."""
-    core = _reference_core(qkv, mask, n_heads, dropout_p, seed)
+    core = _reference_core(qkv, mask, n_heads, dropout_p, seed, n_kv_heads)
 
     def first_grad(go: Tensor, q: Tensor) -> Tensor:
         _, vjp = torch.func.vjp(core, q)
@@ -129,7 +139,7 @@ class _ForwardModeAttentionBackward(_AttentionBackwardFunction):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
         _AttentionBackwardFunction.setup_context(ctx, inputs, output)
-        grad_out, qkv, mask, _out, _lse, _n_heads, _dropout_p, seed = inputs
+        grad_out, qkv, mask, _out, _lse, _n_heads, _dropout_p, seed, _n_kv_heads = inputs
         ctx.save_for_forward(grad_out, qkv, mask, seed)
 
     @staticmethod
@@ -137,7 +147,7 @@ class _ForwardModeAttentionBackward(_AttentionBackwardFunction):
         grad_out, qkv, mask, seed = ctx.saved_tensors  # out and lse are functions of qkv: their part is in qkv's
         if grad_out_t is None and qkv_t is None:
             return None
-        first_grad = _reference_first_grad(qkv, mask, ctx.n_heads, ctx.dropout_p, seed)
+        first_grad = _reference_first_grad(qkv, mask, ctx.n_heads, ctx.dropout_p, seed, ctx.n_kv_heads)
         tangents = (torch.zeros_like(grad_out) if grad_out_t is None else grad_out_t,
                     torch.zeros_like(qkv) if qkv_t is None else qkv_t)
         return torch.func.jvp(first_grad, (grad_out, qkv), tangents)[1]
@@ -151,22 +161,22 @@ class _ForwardModeAttention(_AttentionFunction):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
         _AttentionFunction.setup_context(ctx, inputs, output)
-        qkv, mask, _n_heads, _dropout_p, seed = inputs
+        qkv, mask, _n_heads, _dropout_p, seed, _n_kv_heads = inputs
         ctx.save_for_forward(qkv, mask, seed)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         qkv, mask, out, lse, seed = ctx.saved_tensors
         grad_qkv = _ForwardModeAttentionBackward.apply(grad_out, qkv, mask, out, lse, ctx.n_heads, ctx.dropout_p,
-                                                       seed)
-        return grad_qkv, None, None, None, None
+                                                       seed, ctx.n_kv_heads)
+        return grad_qkv, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx: Any, qkv_t: Tensor | None, *_: Any) -> tuple[Tensor | None, None]:  # type: ignore[override]
         qkv, mask, seed = ctx.saved_tensors
         if qkv_t is None:
             return None, None
-        core = _reference_core(qkv, mask, ctx.n_heads, ctx.dropout_p, seed)
+        core = _reference_core(qkv, mask, ctx.n_heads, ctx.dropout_p, seed, ctx.n_kv_heads)
         return torch.func.jvp(core, (qkv,), (qkv_t,))[1], None
 
 
@@ -177,7 +187,8 @@ def draw_seed() -> Tensor:
 
 
 def attention(
-    qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int, dropout_p: float = 0.0, seed: Tensor | None = None
+    qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int, dropout_p: float = 0.0, seed: Tensor | None = None,
+    *, n_kv_heads: int | None = None,
 ) -> Tensor:
     """The fused attention core with autograd (torch.func-compatible): qkv (B, T, 3 * dim),
     key_padding_mask (B, T) bool or None -> (B, T, dim).
@@ -185,11 +196,14 @@ def attention(
     dropout_p in [0, 1): attention-weight dropout (P_drop = P * keep / (1 - p)), the keep decisions
     a pure function of seed (a 0-d int64 CPU tensor; drawn with draw_seed() when None) and the
     weight's (b, h, i, j): torch.ops.causal_attention.dropout_keep_mask gives them.
+
+    n_kv_heads: grouped-query attention, qkv (B, T, (n_heads + 2 * n_kv_heads) * hd) split q | k | v,
+    query head h reading key/value head h // (n_heads / n_kv_heads) -> (B, T, n_heads * hd).
     """
     if dropout_p > 0 and seed is None:
         seed = draw_seed()
     function = _AttentionFunction if torch.compiler.is_compiling() else _ForwardModeAttention
-    out, _lse = function.apply(qkv, key_padding_mask, n_heads, dropout_p, seed if dropout_p > 0 else None)
+    out, _lse = function.apply(qkv, key_padding_mask, n_heads, dropout_p, seed if dropout_p > 0 else None, n_kv_heads)
     return out
 
 
@@ -219,41 +233,43 @@ def _register_vmap() -> None:
 
     def forward_vmap(  # type: ignore[no-untyped-def]
         info: Any, in_dims: tuple[Any, ...], qkv: Tensor, mask: Tensor | None, n_heads: int, dropout_p: float = 0.0,
-        seed: Tensor | None = None,
+        seed: Tensor | None = None, n_kv_heads: int | None = None,
     ):
         N = info.batch_size
         if dropout_p > 0:
             slices = [
                 torch.ops.causal_attention.attention_forward(
-                    *_slice((qkv, mask), in_dims[:2], n), n_heads, dropout_p, *_slice((seed,), in_dims[4:], n)
+                    *_slice((qkv, mask), in_dims[:2], n), n_heads, dropout_p, *_slice((seed,), in_dims[4:5], n),
+                    *(() if n_kv_heads is None else (n_kv_heads,)),
                 )
                 for n in range(N)
             ]
             return (torch.stack([o for o, _ in slices]), torch.stack([lse for _, lse in slices])), (0, 0)
         B = _batch_first(qkv, in_dims[0], N).shape[1]
-        out, lse = torch.ops.causal_attention.attention_forward(
-            _fold(qkv, in_dims[0], N), _fold(mask, in_dims[1], N), n_heads
-        )
+        heads = (n_heads,) if n_kv_heads is None else (n_heads, 0.0, None, n_kv_heads)
+        out, lse = torch.ops.causal_attention.attention_forward(_fold(qkv, in_dims[0], N), _fold(mask, in_dims[1], N),
+                                                                *heads)
         return (out.unflatten(0, (N, B)), lse.unflatten(0, (N, B))), (0, 0)
 
     def backward_vmap(  # type: ignore[no-untyped-def]
         info: Any, in_dims: tuple[Any, ...], grad_out: Tensor, qkv: Tensor, mask: Tensor | None, out: Tensor,
-        lse: Tensor, n_heads: int, dropout_p: float = 0.0, seed: Tensor | None = None,
+        lse: Tensor, n_heads: int, dropout_p: float = 0.0, seed: Tensor | None = None, n_kv_heads: int | None = None,
     ):
         N = info.batch_size
         if dropout_p > 0:
             grads = [
                 torch.ops.causal_attention.attention_backward(
                     *_slice((grad_out, qkv, mask, out, lse), in_dims[:5], n), n_heads, dropout_p,
-                    *_slice((seed,), in_dims[7:], n),
+                    *_slice((seed,), in_dims[7:8], n), *(() if n_kv_heads is None else (n_kv_heads,)),
                 )
                 for n in range(N)
             ]
             return torch.stack(grads), 0
         B = _batch_first(qkv, in_dims[1], N).shape[1]
+        heads = (n_heads,) if n_kv_heads is None else (n_heads, 0.0, None, n_kv_heads)
         grad_qkv = torch.ops.causal_attention.attention_backward(
             _fold(grad_out, in_dims[0], N), _fold(qkv, in_dims[1], N), _fold(mask, in_dims[2], N),
-            _fold(out, in_dims[3], N), _fold(lse, in_dims[4], N), n_heads,
+            _fold(out, in_dims[3], N), _fold(lse, in_dims[4], N), *heads,
         )
         return grad_qkv.unflatten(0, (N, B)), 0
 

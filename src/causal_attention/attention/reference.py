@@ -18,6 +18,7 @@ def attention_core(
     key_padding_mask: Tensor | None,
     n_heads: int,
     *,
+    n_kv_heads: int | None = None,
     return_weights: bool = False,
     dropout_p: float = 0.0,
     keep: Tensor | None = None,
@@ -25,47 +26,30 @@ def attention_core(
     """Causal attention from the qkv projection's output.
 
     Args:
-        qkv: (B, T, 3 * dim), split q | k | v; head h uses columns h*hd:(h+1)*hd of each.
+        qkv: (B, T, 3 * dim), split q | k | v; head h uses columns h*hd:(h+1)*hd of each. With
+            n_kv_heads: (B, T, (H + 2 * Hkv) * hd), q | k | v of H, Hkv and Hkv heads.
         key_padding_mask: (B, T) bool, True = real token, or None (every token real).
         n_heads: H.
+        n_kv_heads: Hkv, dividing H (grouped-query attention: query head h reads key/value head
+            h // (H / Hkv)), or None for H.
         return_weights: also return the attention weights (after dropout, as nn.MultiheadAttention).
         dropout_p: attention-weight dropout, in [0, 1): weights = softmax * keep / (1 - dropout_p).
         keep: (B, H, T, T) bool, the weights kept (torch.ops.causal_attention.dropout_keep_mask
             gives the engine's); needed when dropout_p > 0.
 
     Returns:
-        (y, weights): y (B, T, dim) with the heads joined back; weights (B, H, T, T) or None.
+        (y, weights): y (B, T, H * hd) with the heads joined back; weights (B, H, T, T) or None.
     """
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout must be a probability in [0, 1); got {dropout_p}")
-    if dropout_p > 0 and keep is None:
-        raise ValueError("attention_core: dropout_p > 0 needs keep, the (B, H, T, T) bool mask of kept weights")
-    B, T, three_dim = qkv.shape
-    dim = three_dim // 3
-    hd = dim // n_heads
-    q, k, v = qkv.split(dim, dim=2)  # each (B, T, dim)
+    B, T, width = qkv.shape
+    Hkv = n_heads if n_kv_heads is None else n_kv_heads
+    hd = width // (n_heads + 2 * Hkv)
+    q, k, v = qkv.split([n_heads * hd, Hkv * hd, Hkv * hd], dim=2)
     q = q.view(B, T, n_heads, hd).transpose(1, 2)  # (B, H, T, hd)
-    k = k.view(B, T, n_heads, hd).transpose(1, 2)  # (B, H, T, hd)
-    v = v.view(B, T, n_heads, hd).transpose(1, 2)  # (B, H, T, hd)
-
-    scores = q @ k.transpose(-2, -1) / math.sqrt(hd)  # (B, H, T, T)
-
-    # Query t may attend keys 0..t, and only real ones.
-    allowed = torch.ones(T, T, dtype=torch.bool, device=qkv.device).tril()  # (T, T)
-    if key_padding_mask is not None:
-        allowed = allowed & key_padding_mask[:, None, None, :]  # (B, 1, T, T)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-
-    weights = torch.softmax(scores, dim=-1)  # (B, H, T, T); NaN on rows with no allowed key
-    has_key = allowed.any(dim=-1, keepdim=True)  # (B or 1, 1, T, 1)
-    weights = torch.where(has_key, weights, torch.zeros_like(weights))  # such rows give 0
-    if dropout_p > 0:
-        assert keep is not None
-        weights = weights * keep / (1 - dropout_p)  # (B, H, T, T), in qkv's dtype
-
-    y = attend(weights, allowed, v)  # (B, H, T, hd)
-    y = y.transpose(1, 2).reshape(B, T, dim)  # (B, T, dim)
-    return y, (weights if return_weights else None)
+    k = k.view(B, T, Hkv, hd).transpose(1, 2)  # (B, Hkv, T, hd)
+    v = v.view(B, T, Hkv, hd).transpose(1, 2)  # (B, Hkv, T, hd)
+    y, weights = attention(q, k, v, key_mask=key_padding_mask, return_weights=return_weights, dropout_p=dropout_p,
+                           keep=keep)
+    return y.transpose(1, 2).reshape(B, T, n_heads * hd), weights  # (B, T, H * hd)
 
 
 def attention(
@@ -78,6 +62,8 @@ def attention(
     window: int | None = None,
     softcap: float | None = None,
     return_weights: bool = False,
+    dropout_p: float = 0.0,
+    keep: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Causal attention of queries that end a key sequence, with grouped key/value heads: the
     attention of transformers' decoder models (prefill, decoding against a cache, GQA and MQA,
@@ -97,11 +83,17 @@ def attention(
         scale: the factor of the scores, or None for 1 / sqrt(hd).
         window: keys per query, its own included (a positive int), or None for no limit.
         softcap: the cap of the scores (positive), or None for none.
-        return_weights: also return the attention weights.
+        return_weights: also return the attention weights (after dropout).
+        dropout_p: attention-weight dropout, in [0, 1): weights = softmax * keep / (1 - dropout_p).
+        keep: (B, H, Tq, Tk) bool, the weights kept; needed when dropout_p > 0.
 
     Returns:
         (y, weights): y (B, H, Tq, hd); weights (B, H, Tq, Tk) or None.
     """
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout must be a probability in [0, 1); got {dropout_p}")
+    if dropout_p > 0 and keep is None:
+        raise ValueError("attention: dropout_p > 0 needs keep, the (B, H, Tq, Tk) bool mask of kept weights")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D (B, heads, T, hd); got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
@@ -140,7 +132,10 @@ def attention(
 
     weights = torch.softmax(scores, dim=-1)  # (B, H, Tq, Tk); NaN on rows with no allowed key
     has_key = allowed.any(dim=-1, keepdim=True)  # (B or 1, 1, Tq, 1)
-    weights = torch.where(has_key, weights, torch.zeros_like(weights))
+    weights = torch.where(has_key, weights, torch.zeros_like(weights))  # such rows give 0
+    if dropout_p > 0:
+        assert keep is not None
+        weights = weights * keep / (1 - dropout_p)  # (B, H, Tq, Tk), in q's dtype
     y = attend(weights, allowed, v)  # (B, H, Tq, hd)
     return y, (weights if return_weights else None)
 

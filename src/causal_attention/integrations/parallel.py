@@ -61,50 +61,55 @@ def _check_no_dropout(dropout_p: float) -> None:
         )
 
 
-def _heads_can_shard(qkv: Any, n_heads: int) -> bool:
-    """Head sharding is offered on a 1-D mesh whose size divides n_heads (every rank whole heads)."""
+def _heads_can_shard(qkv: Any, n_heads: int, n_kv_heads: int | None) -> bool:
+    """Head sharding is offered on a 1-D mesh whose size divides n_heads (every rank whole heads), for
+    multi-head attention (grouped key/value heads are replicated or batch-sharded)."""
     mesh = qkv.mesh
-    return mesh.ndim == 1 and n_heads % mesh.size(0) == 0
+    return n_kv_heads is None and mesh.ndim == 1 and n_heads % mesh.size(0) == 0
 
 
 def _forward_sharding(
-    qkv: Any, mask: Any, n_heads: int, dropout_p: float = 0.0, seed: Any = None
+    qkv: Any, mask: Any, n_heads: int, dropout_p: float = 0.0, seed: Any = None, n_kv_heads: int | None = None
 ) -> list[tuple[list[Placement | None], list[Placement | None]]]:
-    """attention_forward(qkv (B, T, 3*dim), mask (B, T)?, n_heads, dropout_p, seed?) -> out (B, T, dim),
-    lse (B, H, T): replicated, sharded on the batch, or sharded on heads (qkv head-aligned, mask
-    replicated; out then holds the rank's heads' columns, lse its heads)."""
+    """attention_forward(qkv (B, T, 3*dim), mask (B, T)?, n_heads, dropout_p, seed?, n_kv_heads?) -> out
+    (B, T, dim), lse (B, H, T): replicated, sharded on the batch, or sharded on heads (qkv head-aligned,
+    mask replicated; out then holds the rank's heads' columns, lse its heads). n_kv_heads is given by
+    position or not at all (_ops), so that the placements line up with the arguments."""
     _check_no_dropout(dropout_p)
     R = Replicate()
+    kv = [] if n_kv_heads is None else [None]
 
     def opt(arg: Any, placement: Placement) -> Placement | None:
         return None if arg is None else placement
 
     rules = [
-        ([R, R], [R, opt(mask, R), None, None, opt(seed, R)]),
-        ([Shard(0), Shard(0)], [Shard(0), opt(mask, Shard(0)), None, None, opt(seed, R)]),
+        ([R, R], [R, opt(mask, R), None, None, opt(seed, R), *kv]),
+        ([Shard(0), Shard(0)], [Shard(0), opt(mask, Shard(0)), None, None, opt(seed, R), *kv]),
     ]
-    if _heads_can_shard(qkv, n_heads):
+    if _heads_can_shard(qkv, n_heads, n_kv_heads):
         rules.append(([Shard(2), Shard(1)], [head_placement(2), opt(mask, R), None, None, opt(seed, R)]))
     return rules
 
 
 def _backward_sharding(
-    grad_out: Any, qkv: Any, mask: Any, out: Any, lse: Any, n_heads: int, dropout_p: float = 0.0, seed: Any = None
+    grad_out: Any, qkv: Any, mask: Any, out: Any, lse: Any, n_heads: int, dropout_p: float = 0.0, seed: Any = None,
+    n_kv_heads: int | None = None,
 ) -> list[tuple[list[Placement | None], list[Placement | None]]]:
-    """attention_backward(grad_out, qkv, mask?, out, lse, n_heads, dropout_p, seed?) -> grad_qkv, with
-    the forward's three layouts."""
+    """attention_backward(grad_out, qkv, mask?, out, lse, n_heads, dropout_p, seed?, n_kv_heads?) ->
+    grad_qkv, with the forward's layouts."""
     _check_no_dropout(dropout_p)
     R = Replicate()
+    kv = [] if n_kv_heads is None else [None]
 
     def opt(arg: Any, placement: Placement) -> Placement | None:
         return None if arg is None else placement
 
     S0 = Shard(0)
     rules = [
-        ([R], [R, R, opt(mask, R), R, R, None, None, opt(seed, R)]),
-        ([S0], [S0, S0, opt(mask, S0), S0, S0, None, None, opt(seed, R)]),
+        ([R], [R, R, opt(mask, R), R, R, None, None, opt(seed, R), *kv]),
+        ([S0], [S0, S0, opt(mask, S0), S0, S0, None, None, opt(seed, R), *kv]),
     ]
-    if _heads_can_shard(qkv, n_heads):
+    if _heads_can_shard(qkv, n_heads, n_kv_heads):
         heads = head_placement(2)
         rules.append(([heads], [Shard(2), heads, opt(mask, R), Shard(2), Shard(1), None, None, opt(seed, R)]))
     return rules
