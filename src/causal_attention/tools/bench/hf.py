@@ -16,6 +16,11 @@ Sections:
   timing): ours (no copy), ours given separate k and v (what a DynamicCache hands over: one join
   copy), against sdpa_attention_forward and eager_attention_forward.
 
+- ``attention GQA``: grouped-query attention alone, the engine's fused kernel (n_kv_heads) against
+  ``F.scaled_dot_product_attention(enable_gqa=True)`` with the mask transformers' sdpa_mask makes, on
+  the same q | k | v projection: H=32 query heads over Hkv=8, hd=64, B=4, T=1024 right-padded,
+  forward and forward + backward (issue 34's target shape).
+
 ``quick`` uses a tiny config and T=64 (a smoke test, not a measurement).
 """
 
@@ -38,6 +43,8 @@ from .report import Row, interleaved_medians, plot_rows, print_rows
 BF16_BUDGET_S = 60.0  # one bfloat16 forward slower than this skips the bfloat16 rows
 FULL = dict(B=4, T=1024, lengths=[1024, 900, 700, 512])
 QUICK = dict(B=4, T=64, lengths=[64, 56, 44, 32])
+GQA_FULL = dict(H=32, Hkv=8, hd=64)
+GQA_QUICK = dict(H=4, Hkv=2, hd=16)
 
 
 def _config(quick: bool) -> Any:
@@ -148,6 +155,47 @@ def attention_rows(*, dtype: torch.dtype, repeats: int, quick: bool, progress: P
     return rows
 
 
+def gqa_rows(*, dtype: torch.dtype, repeats: int, quick: bool, progress: Progress) -> list[Row]:
+    """Grouped-query attention alone, forward and forward + backward, engine against SDPA(enable_gqa)."""
+    from transformers.masking_utils import sdpa_mask
+
+    from ...attention import _ops
+
+    shape, heads = (QUICK, GQA_QUICK) if quick else (FULL, GQA_FULL)
+    B, T, H, Hkv, hd = shape["B"], shape["T"], heads["H"], heads["Hkv"], heads["hd"]
+    generator = torch.Generator().manual_seed(0)
+    fused = (torch.randn(B, T, (H + 2 * Hkv) * hd, generator=generator) * 0.5).to(dtype)  # q | k | v projection
+    padding = torch.arange(T)[None, :] < torch.tensor(shape["lengths"])[:, None]  # (B, T) bool
+    sdpa_4d = sdpa_mask(batch_size=B, q_length=T, kv_length=T, attention_mask=padding)
+
+    def ours(qkv: Tensor) -> Tensor:
+        return _ops.attention(qkv, padding, H, n_kv_heads=Hkv)  # (B, T, H * hd)
+
+    def sdpa(qkv: Tensor) -> Tensor:
+        q, k, v = qkv.split([H * hd, Hkv * hd, Hkv * hd], dim=2)
+        q, k, v = (t.unflatten(2, (-1, hd)).transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd) views
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_4d, enable_gqa=True)
+        return y.transpose(1, 2).reshape(B, T, H * hd)
+
+    def train_step(fn: Callable[[Tensor], Tensor]) -> Callable[[], object]:
+        def step() -> None:
+            with torch.enable_grad():
+                x = fused.detach().requires_grad_()
+                fn(x).sum().backward()
+        return step
+
+    with torch.no_grad():  # the two time the same attention
+        torch.testing.assert_close(ours(fused), sdpa(fused), rtol=0, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+    fns = {"ours": lambda: ours(fused), "sdpa": lambda: sdpa(fused),
+           "ours_train": train_step(ours), "sdpa_train": train_step(sdpa)}
+    dt = str(dtype).replace("torch.", "")
+    times = _timed(fns, repeats, progress, f"attention GQA {dt}")
+    section = (f"attention GQA {dt} B={B} T={T} lengths={shape['lengths']} H={H} Hkv={Hkv} hd={hd} "
+               f"({torch.ops.causal_attention.cpu_capability()})")
+    return (_rows(section, times, "ours", {"sdpa": "forward vs SDPA(enable_gqa)"})
+            + _rows(section, times, "ours_train", {"sdpa_train": "forward + backward vs SDPA(enable_gqa)"}))
+
+
 def main(*, out_dir: Path, repeats: int, bf16: bool, quick: bool, gpt: bool = True) -> dict:
     """Times the rows (float32; bfloat16 too when bf16): the project's GPT against GPT2LMHeadModel on
     the same weights (gpt2.py; bfloat16 at reduced sizes) when gpt, then the engine inside
@@ -177,6 +225,7 @@ def main(*, out_dir: Path, repeats: int, bf16: bool, quick: bool, gpt: bool = Tr
                                                  repeats=max(1, repeats // 2), progress=say)
             rows += prefill_rows(dtype=torch.float32, repeats=repeats, quick=quick, progress=progress)[0]
             rows += attention_rows(dtype=torch.float32, repeats=repeats, quick=quick, progress=progress)
+            rows += gqa_rows(dtype=torch.float32, repeats=repeats, quick=quick, progress=progress)
             if bf16:
                 bf16_rows, why = prefill_rows(dtype=torch.bfloat16, repeats=repeats, quick=quick, progress=progress,
                                               budget_s=BF16_BUDGET_S)
@@ -184,6 +233,7 @@ def main(*, out_dir: Path, repeats: int, bf16: bool, quick: bool, gpt: bool = Tr
                 if why is not None:
                     skipped.append(why)
                 rows += attention_rows(dtype=torch.bfloat16, repeats=repeats, quick=quick, progress=progress)
+                rows += gqa_rows(dtype=torch.bfloat16, repeats=repeats, quick=quick, progress=progress)
     finally:
         torch.set_num_threads(threads)
         hf_logging.set_verbosity(verbosity)
