@@ -90,28 +90,9 @@ def attention(
     Returns:
         (y, weights): y (B, H, Tq, hd); weights (B, H, Tq, Tk) or None.
     """
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout must be a probability in [0, 1); got {dropout_p}")
-    if dropout_p > 0 and keep is None:
-        raise ValueError("attention: dropout_p > 0 needs keep, the (B, H, Tq, Tk) bool mask of kept weights")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4-D (B, heads, T, hd); got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
+    _check_attention(q, k, v, key_mask, window, softcap, dropout_p, keep)
     B, H, Tq, hd = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
-    if k.shape != (B, Hkv, Tk, hd) or v.shape != k.shape:
-        raise ValueError(f"k and v must be (B, Hkv, Tk, hd) = ({B}, Hkv, Tk, {hd}) alike; got {tuple(k.shape)} "
-                         f"and {tuple(v.shape)}")
-    if Hkv == 0 or H % Hkv != 0:
-        raise ValueError(f"k's heads ({Hkv}) must divide q's heads ({H})")
-    if Tq > Tk:
-        raise ValueError(f"q's length ({Tq}) must not exceed k's ({Tk}): the queries end the key sequence")
-    if key_mask is not None and (key_mask.shape != (B, Tk) or key_mask.dtype != torch.bool):
-        raise ValueError(f"key_mask must be a ({B}, {Tk}) bool tensor; got {key_mask.dtype} {tuple(key_mask.shape)}")
-    if window is not None and window < 1:
-        raise ValueError(f"window must be a positive number of keys; got {window}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be positive; got {softcap}")
     if Hkv != H:  # (a copy changes how matmul reads them, and its rounding: none where not needed)
         k = k.repeat_interleave(H // Hkv, dim=1)  # (B, H, Tk, hd)
         v = v.repeat_interleave(H // Hkv, dim=1)  # (B, H, Tk, hd)
@@ -138,6 +119,33 @@ def attention(
         weights = weights * keep / (1 - dropout_p)  # (B, H, Tq, Tk), in q's dtype
     y = attend(weights, allowed, v)  # (B, H, Tq, hd)
     return y, (weights if return_weights else None)
+
+
+def _check_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, window: int | None,
+                     softcap: float | None, dropout_p: float, keep: Tensor | None) -> None:
+    """attention()'s arguments, each error naming the argument and what was expected."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout must be a probability in [0, 1); got {dropout_p}")
+    if dropout_p > 0 and keep is None:
+        raise ValueError("attention: dropout_p > 0 needs keep, the (B, H, Tq, Tk) bool mask of kept weights")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D (B, heads, T, hd); got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    B, H, Tq, hd = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    if k.shape != (B, Hkv, Tk, hd) or v.shape != k.shape:
+        raise ValueError(f"k and v must be (B, Hkv, Tk, hd) = ({B}, Hkv, Tk, {hd}) alike; got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"k's heads ({Hkv}) must divide q's heads ({H})")
+    if Tq > Tk:
+        raise ValueError(f"q's length ({Tq}) must not exceed k's ({Tk}): the queries end the key sequence")
+    if key_mask is not None and (key_mask.shape != (B, Tk) or key_mask.dtype != torch.bool):
+        raise ValueError(f"key_mask must be a ({B}, {Tk}) bool tensor; got {key_mask.dtype} {tuple(key_mask.shape)}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive number of keys; got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive; got {softcap}")
 
 
 def attend(weights: Tensor, allowed: Tensor, v: Tensor) -> Tensor:
