@@ -205,19 +205,25 @@ void pack_panels(const float* src, int64_t rs, int64_t cs, int64_t k, int64_t n,
 // product, k in order, from C or 0), so the same bits, with a panel row in one zmm register: R rows x
 // NP (1 or 2) panels of C in registers, each B vector feeding R products, each A value NP. (A CPU with
 // two 512-bit FMA units does twice the 256-bit kernel's work per cycle.)
-template <int R, int NP, bool kAccumulate>
-inline void panel_block512(int64_t k, const float* a, int64_t rs_a, int64_t cs_a, const float* b, int64_t ld_b,
-                           int64_t ps_b, float* c, int64_t ldc, __mmask16 mask0, __mmask16 mask1) {
-  __m512 acc[R][NP];
+// The zmm register blocks' three steps: R rows x NP panels of C into registers (or 0), the products of
+// k rows kk0..kk1 of B added one fused multiply-add each in k order, and the registers back to C.
+template <int R, int NP>
+inline void load_block512(bool from_c, const float* c, int64_t ldc, __mmask16 mask0, __mmask16 mask1,
+                          __m512 (&acc)[R][NP]) {
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 2
     for (int q = 0; q < NP; ++q) {
-      acc[r][q] = kAccumulate ? _mm512_maskz_loadu_ps(q == 0 ? mask0 : mask1, c + r * ldc + q * kPanel)
-                              : _mm512_setzero_ps();
+      acc[r][q] = from_c ? _mm512_maskz_loadu_ps(q == 0 ? mask0 : mask1, c + r * ldc + q * kPanel)
+                         : _mm512_setzero_ps();
     }
   }
-  for (int64_t kk = 0; kk < k; ++kk) {
+}
+
+template <int R, int NP>
+inline void fma_rows512(int64_t kk0, int64_t kk1, const float* a, int64_t rs_a, int64_t cs_a, const float* b,
+                        int64_t ld_b, int64_t ps_b, __mmask16 mask0, __mmask16 mask1, __m512 (&acc)[R][NP]) {
+  for (int64_t kk = kk0; kk < kk1; ++kk) {
     __m512 bv[NP];
 #pragma GCC unroll 2
     for (int q = 0; q < NP; ++q) {  // masked: nothing past n is read (B may be rows in place)
@@ -233,6 +239,10 @@ inline void panel_block512(int64_t k, const float* a, int64_t rs_a, int64_t cs_a
       }
     }
   }
+}
+
+template <int R, int NP>
+inline void store_block512(const __m512 (&acc)[R][NP], float* c, int64_t ldc, __mmask16 mask0, __mmask16 mask1) {
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 2
@@ -240,6 +250,15 @@ inline void panel_block512(int64_t k, const float* a, int64_t rs_a, int64_t cs_a
       _mm512_mask_storeu_ps(c + r * ldc + q * kPanel, q == 0 ? mask0 : mask1, acc[r][q]);
     }
   }
+}
+
+template <int R, int NP, bool kAccumulate>
+inline void panel_block512(int64_t k, const float* a, int64_t rs_a, int64_t cs_a, const float* b, int64_t ld_b,
+                           int64_t ps_b, float* c, int64_t ldc, __mmask16 mask0, __mmask16 mask1) {
+  __m512 acc[R][NP];
+  load_block512<R, NP>(kAccumulate, c, ldc, mask0, mask1, acc);
+  fma_rows512<R, NP>(0, k, a, rs_a, cs_a, b, ld_b, ps_b, mask0, mask1, acc);
+  store_block512<R, NP>(acc, c, ldc, mask0, mask1);
 }
 
 // panel_block512 as the zmm drivers call it.
@@ -260,40 +279,11 @@ inline void panel_sums512(int64_t k, int64_t sum_block, const float* a, int64_t 
                           int64_t ld_b, int64_t ps_b, float* c, int64_t ldc, __mmask16 mask0, __mmask16 mask1) {
   static_assert(R <= 6, "two sets of R x NP accumulators must fit the zmm registers");
   __m512 total[R][NP];
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 2
-    for (int q = 0; q < NP; ++q) {
-      total[r][q] = kAccumulate ? _mm512_maskz_loadu_ps(q == 0 ? mask0 : mask1, c + r * ldc + q * kPanel)
-                                : _mm512_setzero_ps();
-    }
-  }
+  load_block512<R, NP>(kAccumulate, c, ldc, mask0, mask1, total);
   for (int64_t k0 = 0; k0 < k; k0 += sum_block) {
-    const int64_t k1 = std::min(k, k0 + sum_block);
     __m512 acc[R][NP];
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 2
-      for (int q = 0; q < NP; ++q) {
-        acc[r][q] = _mm512_setzero_ps();
-      }
-    }
-    for (int64_t kk = k0; kk < k1; ++kk) {
-      __m512 bv[NP];
-#pragma GCC unroll 2
-      for (int q = 0; q < NP; ++q) {
-        bv[q] = _mm512_maskz_loadu_ps(q == 0 ? mask0 : mask1, b + q * ps_b + kk * ld_b);
-      }
-      const float* acol = a + kk * cs_a;
-#pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) {
-        const __m512 av = _mm512_set1_ps(acol[r * rs_a]);
-#pragma GCC unroll 2
-        for (int q = 0; q < NP; ++q) {
-          acc[r][q] = _mm512_fmadd_ps(av, bv[q], acc[r][q]);
-        }
-      }
-    }
+    load_block512<R, NP>(false, c, ldc, mask0, mask1, acc);
+    fma_rows512<R, NP>(k0, std::min(k, k0 + sum_block), a, rs_a, cs_a, b, ld_b, ps_b, mask0, mask1, acc);
     const bool first = k0 == 0 && !kAccumulate;
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
@@ -303,13 +293,7 @@ inline void panel_sums512(int64_t k, int64_t sum_block, const float* a, int64_t 
       }
     }
   }
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 2
-    for (int q = 0; q < NP; ++q) {
-      _mm512_mask_storeu_ps(c + r * ldc + q * kPanel, q == 0 ? mask0 : mask1, total[r][q]);
-    }
-  }
+  store_block512<R, NP>(total, c, ldc, mask0, mask1);
 }
 
 // Every row of A against NP panels in blocks of 6 rows, k summed in blocks (panel_sums512).
