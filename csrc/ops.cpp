@@ -4,6 +4,10 @@
 //   attention_forward(qkv, key_padding_mask, n_heads, dropout_p=0, seed=None, n_kv_heads=None) -> (out, lse)
 //   attention_backward(grad_out, qkv, key_padding_mask, out, lse, n_heads, dropout_p=0, seed=None,
 //                      n_kv_heads=None) -> grad_qkv       the fused CPU kernel; n_kv_heads: grouped-query
+//   attention_heads_forward(q, k, v, key_mask, scale=None, window=None, softcap=None, dropout_p=0, seed=None)
+//                      -> (out, lse)      separate heads: q (B, H, Tq, hd) ending k, v (B, Hkv, Tk, hd)
+//   attention_heads_backward(grad_out, q, k, v, key_mask, out, lse, scale, window, softcap, dropout_p, seed)
+//                      -> (grad_q, grad_k, grad_v)
 //   dropout_keep_mask(seed, B, H, T, dropout_p) -> keep (B, H, T, T) bool   the kernels' dropout decisions
 //   kv_cache_write(qkv, k_cache!, v_cache!, start, end, n_heads)    generation: static KV cache
 //   decode_attention(qkv, k_cache, v_cache, start, end, n_heads) -> out
@@ -179,6 +183,36 @@ void check_one_device(const char* op, const char* first_name, const at::Tensor& 
 
 const at::Tensor* maybe(const OptionalTensor& t) { return t.has_value() ? &*t : nullptr; }
 
+std::tuple<at::Tensor, at::Tensor> attention_heads_forward_meta(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptionalTensor& mask,
+    std::optional<double> /*scale*/, std::optional<int64_t> /*window*/, std::optional<double> /*softcap*/,
+    double dropout_p, const OptionalTensor& seed) {
+  TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+                    "q, k, v must be 4-D: q (B, H, Tq, head_dim), k and v (B, Hkv, Tk, head_dim); got shapes ",
+                    q.sym_sizes(), ", ", k.sym_sizes(), ", ", v.sym_sizes());
+  check_dropout(dropout_p);
+  check_one_device("attention_heads_forward", "q", q,
+                   {{"k", &k}, {"v", &v}, {"key_mask", maybe(mask)}, {"seed", maybe(seed)}});
+  const int64_t head_dim = q.sym_size(3).guard_int(__FILE__, __LINE__);
+  const bool wide = q.scalar_type() == at::kDouble || tile::computes_in_float64(q.scalar_type(), head_dim);
+  auto out = at::empty_symint({q.sym_size(0), q.sym_size(2), q.sym_size(1), q.sym_size(3)}, q.options());
+  return {out, at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2)},
+                                q.options().dtype(wide ? at::kDouble : at::kFloat))};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_heads_backward_meta(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const OptionalTensor& mask, const at::Tensor& out, const at::Tensor& lse, std::optional<double> /*scale*/,
+    std::optional<int64_t> /*window*/, std::optional<double> /*softcap*/, double dropout_p,
+    const OptionalTensor& seed) {
+  check_dropout(dropout_p);
+  check_one_device("attention_heads_backward", "q", q,
+                   {{"grad_out", &grad_out}, {"k", &k}, {"v", &v}, {"key_mask", maybe(mask)}, {"out", &out},
+                    {"lse", &lse}, {"seed", maybe(seed)}});
+  return {kernels::heads_grad_like(q), kernels::heads_grad_like(k), kernels::heads_grad_like(v)};
+}
+
+
 void kv_cache_write_meta(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& start, const at::Tensor& end, int64_t /*n_heads*/) {
   check_one_device("kv_cache_write", "qkv", qkv,
@@ -233,6 +267,13 @@ TORCH_LIBRARY(causal_attention, m) {
   m.def(
       "attention_backward(Tensor grad_out, Tensor qkv, Tensor? key_padding_mask, Tensor out, Tensor lse, "
       "int n_heads, float dropout_p=0., Tensor? seed=None, int? n_kv_heads=None) -> Tensor grad_qkv");
+  m.def(
+      "attention_heads_forward(Tensor q, Tensor k, Tensor v, Tensor? key_mask, float? scale=None, int? window=None, "
+      "float? softcap=None, float dropout_p=0., Tensor? seed=None) -> (Tensor out, Tensor lse)");
+  m.def(
+      "attention_heads_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? key_mask, Tensor out, "
+      "Tensor lse, float? scale=None, int? window=None, float? softcap=None, float dropout_p=0., Tensor? seed=None) "
+      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   m.def("dropout_keep_mask(Tensor seed, int B, int H, int T, float dropout_p) -> Tensor");
   m.def("cpu_capability() -> str");
   m.def(
@@ -258,6 +299,8 @@ TORCH_LIBRARY_IMPL(causal_attention, Autograd, m) {
   // Functions, the C++ one in AttentionFunction): differentiating them directly is an error.
   m.impl("attention_forward", torch::autograd::autogradNotImplementedFallback());
   m.impl("attention_backward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("attention_heads_forward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("attention_heads_backward", torch::autograd::autogradNotImplementedFallback());
   m.impl("few_rows_linear", torch::autograd::autogradNotImplementedFallback());  // inference only
   m.impl("decode_layer", torch::autograd::autogradNotImplementedFallback());     // inference only
   m.impl("advise_huge_pages", torch::autograd::autogradNotImplementedFallback());  // no tensor out
@@ -274,6 +317,8 @@ TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {
   m.impl("attention", &attention_meta);
   m.impl("attention_forward", &attention_forward_meta);
   m.impl("attention_backward", &attention_backward_meta);
+  m.impl("attention_heads_forward", &attention_heads_forward_meta);
+  m.impl("attention_heads_backward", &attention_heads_backward_meta);
   m.impl("dropout_keep_mask", &dropout_keep_mask_meta);
   m.impl("kv_cache_write", &kv_cache_write_meta);
   m.impl("decode_attention", &decode_attention_meta);
@@ -287,6 +332,8 @@ TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {
 TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
   m.impl("attention_forward", &kernels::attention_forward_cpu);
   m.impl("attention_backward", &kernels::attention_backward_cpu);
+  m.impl("attention_heads_forward", &kernels::attention_heads_forward_cpu);
+  m.impl("attention_heads_backward", &kernels::attention_heads_backward_cpu);
   m.impl("dropout_keep_mask", &kernels::dropout_keep_mask_cpu);
   m.impl("kv_cache_write", &kernels::kv_cache_write_cpu);
   m.impl("decode_attention", &kernels::decode_attention_cpu);

@@ -4,6 +4,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <cmath>
 #include <mutex>
 
 namespace causal_attention {
@@ -34,6 +35,47 @@ void check_qkv(const at::Tensor& qkv, int64_t n_heads, int64_t n_kv_heads) {
   TORCH_CHECK_VALUE(width > 0 && width % (n_heads + 2 * n_kv_heads) == 0, "qkv last dimension (got ", width,
                     ") must be (n_heads + 2 * n_kv_heads) * head_dim = (", n_heads, " + 2 * ", n_kv_heads,
                     ") * head_dim");
+}
+
+void check_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const std::optional<at::Tensor>& key_mask, std::optional<double> scale, std::optional<int64_t> window,
+                 std::optional<double> softcap, double dropout_p) {
+  TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+                    "q, k, v must be 4-D: q (B, H, Tq, head_dim), k and v (B, Hkv, Tk, head_dim); got shapes ",
+                    q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK_TYPE(at::isFloatingType(q.scalar_type()) && k.scalar_type() == q.scalar_type() &&
+                       v.scalar_type() == q.scalar_type(),
+                   "q, k, v must share one floating-point dtype; got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+                   v.scalar_type());
+  TORCH_CHECK_VALUE(q.device() == k.device() && q.device() == v.device(), "q, k, v must share one device; got ",
+                    q.device(), ", ", k.device(), ", ", v.device());
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), hd = q.size(3);
+  const int64_t Hkv = k.size(1), Tk = k.size(2);
+  TORCH_CHECK_VALUE(k.size(0) == B && k.size(3) == hd && v.sizes() == k.sizes(),
+                    "k and v must both be (B, Hkv, Tk, head_dim) = (", B, ", Hkv, Tk, ", hd, ") for q of shape ",
+                    q.sizes(), "; got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK_VALUE(hd > 0 && H > 0 && Hkv > 0 && H % Hkv == 0,
+                    "k's heads (Hkv) must divide q's heads (H), both positive, and head_dim must be positive; got H = ",
+                    H, ", Hkv = ", Hkv, ", head_dim = ", hd);
+  TORCH_CHECK_VALUE(Tq <= Tk, "q's length (", Tq, ") must not exceed k's (", Tk,
+                    "): the queries end the key sequence");
+  if (key_mask.has_value()) {
+    TORCH_CHECK_VALUE(key_mask->scalar_type() == at::kBool && key_mask->dim() == 2 && key_mask->size(0) == B &&
+                          key_mask->size(1) == Tk,
+                      "key_mask must be a bool tensor of shape (B, Tk) = (", B, ", ", Tk, "); got ",
+                      key_mask->scalar_type(), " of shape ", key_mask->sizes());
+    TORCH_CHECK_VALUE(key_mask->device() == q.device(), "key_mask must be on q's device (", q.device(), "); got ",
+                      key_mask->device());
+  }
+  TORCH_CHECK_VALUE(!scale.has_value() || (std::isfinite(*scale) && *scale > 0),
+                    "scale must be a positive finite number; got ", scale.value_or(0));
+  TORCH_CHECK_VALUE(!window.has_value() || *window > 0, "window must be a positive number of keys; got ",
+                    window.value_or(0));
+  TORCH_CHECK_VALUE(!softcap.has_value() || (std::isfinite(*softcap) && *softcap > 0),
+                    "softcap must be a positive finite number; got ", softcap.value_or(0));
+  check_dropout(dropout_p);
+  TORCH_CHECK_VALUE(dropout_p == 0 || Tq == Tk, "dropout needs q and k of one length (training); got Tq = ", Tq,
+                    ", Tk = ", Tk);
 }
 
 void check_dropout(double dropout_p) {

@@ -311,7 +311,7 @@ class DecodePass {
                    hd_);
         if (start_[b] + r0 - k0 + 1 < cols) {  // the first row may not see every key of the tile
           exclude_masked_values<scalar_t>({p, cols, nullptr, 0}, values + k0 * hd_, hd_, rows, cols, hd_,
-                                          start_[b] + r0 - k0, nullptr, ws.pv.data());
+                                          start_[b] + r0 - k0, -tile::kNoCausal, nullptr, ws.pv.data());
         }
         acc_ops.rescale_add(o + r0 * hd_, hd_, ws.pv.data(), hd_, rows, hd_, ws.alpha.data());
       }

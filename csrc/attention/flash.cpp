@@ -2,14 +2,18 @@
 // recomputing backward from the saved log-sum-exp. No T x T tensor is made and the key mask is
 // never expanded beyond (B, T).
 //
-// Layout: q, k, v are read in place from qkv (B, T, (H + 2 Hkv) * hd) by strides: q | k | v with H query
-// heads and Hkv key/value heads (Hkv divides H; Hkv = H: multi-head, qkv (B, T, 3 * dim)). Query head h
-// is columns h*hd:(h+1)*hd; it reads key/value head h / (H / Hkv), at H*hd + g*hd... (k) and (H + Hkv)*hd
-// + g*hd... (v). The output is written as (B, T, H, hd), which is (B, T, H * hd) for the output
-// projection, with no transpose.
+// Layout: q (B, H, Tq, hd), k and v (B, Hkv, Tk, hd) are read in place by strides (each head's rows
+// dense): either from one qkv buffer (B, T, (H + 2 Hkv) * hd), q | k | v, Tq = Tk = T, or as three
+// tensors (transformers' query and its cache's keys). Hkv divides H; query head h reads key/value head
+// h / (H / Hkv). Query i sits at key position Tk - Tq + i (the queries end the key sequence: a prefill,
+// or a decode step against a cache) and sees the keys up to it, within the window when there is one.
+// The output is written as (B, Tq, H, hd), which is (B, Tq, H * hd) for the output projection.
 //
-// Work skipped: key blocks above the diagonal, key blocks with no real key, and keys past the last
-// real key of a sequence; key blocks that are all real need no element-wise mask.
+// Scores are q . k * scale, then softcap * tanh(score / softcap) with a softcap (Gemma 2).
+//
+// Work skipped: key blocks above the diagonal, key blocks older than the window, key blocks with no
+// real key, and keys past the last real key of a sequence; key blocks that are all real need no
+// element-wise mask.
 //
 // Attention-weight dropout (training): P_drop = P * keep / (1 - p), keep from philox.h, a pure
 // function of (seed, b, h, i, j), so the backward regenerates the forward's decisions tile by tile.
@@ -73,30 +77,72 @@ MaskSummary summarize(const std::optional<at::Tensor>& mask, int64_t B, int64_t 
 
 // ---- Where the operands of one (batch, head) are --------------------------------------------------
 
-struct Geometry {
-  int64_t B, T, H, Hkv, hd, nq, nk;  // nq, nk: query and key blocks of the pass
-  int64_t dim, kv_dim, width;        // H * hd (q and the output), Hkv * hd (k, v), qkv's row: dim + 2 kv_dim
-  int64_t group;                     // H / Hkv: the query heads of a key/value head
+// Keys a query sees with no window: all up to its own.
+inline constexpr int64_t kNoWindow = std::numeric_limits<int64_t>::max() / 4;
+
+// What a call does to the scores beyond q . k.
+struct ScoreRule {
+  double scale;    // scores = q . k * scale
+  double softcap;  // > 0: scores = softcap * tanh(scores / softcap); 0: none
+  int64_t window;  // keys a query sees, its own included (kNoWindow: every earlier key)
 };
 
-Geometry geometry(const at::Tensor& qkv, int64_t n_heads, int64_t n_kv_heads, int64_t block_q, int64_t block_k) {
-  const int64_t width = qkv.size(2);
-  const int64_t hd = width / (n_heads + 2 * n_kv_heads);
-  const int64_t T = qkv.size(1);
-  return {qkv.size(0), T,     n_heads, n_kv_heads, hd, ceil_div(T, block_q), ceil_div(T, block_k),
-          n_heads * hd, n_kv_heads * hd, width, n_heads / n_kv_heads};
+struct Geometry {
+  int64_t B, Tq, Tk, H, Hkv, hd, nq, nk;  // nq, nk: query and key blocks of the pass
+  int64_t dim;                            // H * hd: a row of the output
+  int64_t group;                          // H / Hkv: the query heads of a key/value head
+  int64_t q_start;                        // Tk - Tq: the key position of query 0
+  int64_t window;                         // as ScoreRule's
+};
+
+Geometry geometry(int64_t B, int64_t Tq, int64_t Tk, int64_t H, int64_t Hkv, int64_t hd, int64_t window,
+                  int64_t block_q, int64_t block_k) {
+  return {B, Tq, Tk, H, Hkv, hd, ceil_div(Tq, block_q), ceil_div(Tk, block_k), H * hd, H / Hkv, Tk - Tq, window};
 }
 
-// Row t of query head h's q, and of its key/value head's k and v, in sequence b: q + t * ld, k + t * ld,
-// v + t * ld (hd entries each), read in place from qkv whose rows are dense.
+// One operand's heads: row t of head h of sequence b (hd dense values) at base + b * sb + h * sh + t * st.
+template <typename T>
+struct HeadsView {
+  T* base;
+  int64_t sb, sh, st;
+  T* row(int64_t b, int64_t h, int64_t t) const { return base + b * sb + h * sh + t * st; }
+};
+
+// q (B, H, Tq, hd), k and v (B, Hkv, Tk, hd): read by the passes (const), or their gradients (written).
+template <typename T>
+struct HeadOperands {
+  HeadsView<T> q, k, v;
+};
+
+// The row stride of x's heads (..., T, hd) as BLAS reads it: with one row it is arbitrary (PyTorch
+// ignores the strides of size-1 dimensions), but BLAS checks ld >= the row length all the same.
+int64_t head_row_stride(const at::Tensor& x) { return x.size(2) <= 1 ? x.size(3) : x.stride(2); }
+
+template <typename T>
+HeadsView<T> heads_view(T* base, const at::Tensor& x) {  // x (B, heads, T, hd)
+  return {base, x.stride(0), x.stride(1), head_row_stride(x)};
+}
+
+// The heads of one qkv buffer (B, T, (H + 2 Hkv) * hd), rows dense: q | k | v, head h at h * hd of its part.
+template <typename T>
+HeadOperands<T> fused_heads(T* base, const at::Tensor& qkv, int64_t H, int64_t Hkv) {
+  const int64_t hd = qkv.size(2) / (H + 2 * Hkv);
+  const int64_t sb = qkv.stride(0), st = row_stride(qkv);
+  return {{base, sb, hd, st}, {base + H * hd, sb, hd, st}, {base + (H + Hkv) * hd, sb, hd, st}};
+}
+
+// Row t of query head h's q, and of its key/value head's k and v, in sequence b: q + t * q_ld, k + t * k_ld,
+// v + t * v_ld (hd entries each).
 template <typename scalar_t>
 struct HeadRows {
-  HeadRows(const at::Tensor& qkv, const Geometry& g, int64_t b, int64_t h)
-      : ld(row_stride(qkv)),
-        q(qkv.const_data_ptr<scalar_t>() + b * qkv.stride(0) + h * g.hd),
-        k(qkv.const_data_ptr<scalar_t>() + b * qkv.stride(0) + g.dim + (h / g.group) * g.hd),
-        v(k + g.kv_dim) {}
-  int64_t ld;
+  HeadRows(const HeadOperands<const scalar_t>& in, const Geometry& g, int64_t b, int64_t h)
+      : q_ld(in.q.st),
+        k_ld(in.k.st),
+        v_ld(in.v.st),
+        q(in.q.row(b, h, 0)),
+        k(in.k.row(b, h / g.group, 0)),
+        v(in.v.row(b, h / g.group, 0)) {}
+  int64_t q_ld, k_ld, v_ld;
   const scalar_t* q;
   const scalar_t* k;
   const scalar_t* v;
@@ -123,8 +169,53 @@ void causal_tiles(int64_t q0, int64_t bq, int64_t k0, int64_t bk, const F& f) {
   }
 }
 
+// The keys of a tile as its products take them: the pair micro-kernel sums keys in pairs, so an odd
+// count short of the block's packed keys takes one more (a key no row sees: its P and dS are 0).
+int64_t pair_cols(Products products, int64_t cols, int64_t packed) {
+  return (products == Products::kPairs && cols % 2 != 0 && cols < packed) ? cols + 1 : cols;
+}
+
 // The causal limit of tile rows starting at query q (tile::kNoCausal when every row sees every key).
 int64_t causal_offset(int64_t q, int64_t k0, int64_t cols) { return (k0 + cols - 1 > q) ? q - k0 : tile::kNoCausal; }
+
+// The first key column row 0 of a tile (rows from query position q, keys from k0) sees in the window;
+// row i sees from column window_first + i on (very negative with no window).
+int64_t window_first(int64_t q, int64_t k0, int64_t window) {
+  return window == kNoWindow ? -tile::kNoCausal : q - window + 1 - k0;
+}
+
+// Whether some row of a tile of n rows starts its window inside the tile.
+bool window_cuts(int64_t first, int64_t n) { return first + n - 1 > 0; }
+
+// The scale the softmax applies to a tile's scores: shape_scores has applied it under a softcap.
+double softmax_scale(const ScoreRule& rule) { return rule.softcap > 0 ? 1.0 : rule.scale; }
+
+// The scores of a tile (n x cols, ld) as the rule shapes them before the softmax: with a softcap
+// softcap * tanh(scale * s / softcap) (the tanh kept in t, n x cols, where given: the backward's
+// derivative); -inf for the keys before each row's window (row i: columns < first + i).
+template <typename acc_t>
+void shape_scores(acc_t* s, int64_t ld, int64_t n, int64_t cols, const ScoreRule& rule, int64_t first, acc_t* t) {
+  if (rule.softcap > 0) {
+    const auto scale = static_cast<acc_t>(rule.scale);
+    const auto cap = static_cast<acc_t>(rule.softcap);
+    for (int64_t i = 0; i < n; ++i) {
+      acc_t* row = s + i * ld;
+      for (int64_t j = 0; j < cols; ++j) {
+        const acc_t th = std::tanh(row[j] * scale / cap);
+        if (t != nullptr) {
+          t[i * cols + j] = th;
+        }
+        row[j] = th * cap;
+      }
+    }
+  }
+  if (window_cuts(first, n)) {
+    for (int64_t i = 0; i < n; ++i) {
+      std::fill(s + i * ld, s + i * ld + std::clamp<int64_t>(first + i, 0, cols),
+                -std::numeric_limits<acc_t>::infinity());
+    }
+  }
+}
 
 // The micro-kernel's panels of a key block (tile_products.h): keys transposed for the scores; values as
 // rows for P V (forward), transposed for dO V^T (backward); keys as rows for dS K (backward). Empty
@@ -168,15 +259,16 @@ class ForwardPass {
  public:
   using acc_t = at::opmath_type<scalar_t>;
 
-  ForwardPass(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, const Geometry& g,
-              const OptionalDropout& drop, const at::Tensor& out, const at::Tensor& lse)
-      : qkv_(qkv),
+  ForwardPass(const HeadOperands<const scalar_t>& in, const std::optional<at::Tensor>& mask, const Geometry& g,
+              const ScoreRule& rule, const OptionalDropout& drop, const at::Tensor& out, const at::Tensor& lse)
+      : in_(in),
         g_(g),
-        summary_(summarize(mask, g.B, g.T, kBlockK)),
+        rule_(rule),
+        summary_(summarize(mask, g.B, g.Tk, kBlockK)),
         drop_(drop),
         out_(out.data_ptr<scalar_t>()),
         lse_(lse.data_ptr<acc_t>()),
-        scale_(acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd))),
+        softmax_scale_(static_cast<acc_t>(softmax_scale(rule))),
         products_(products_for<scalar_t>(g.hd)) {}
 
   // Work items are (batch, head, query block), costing the keys the block sees, grouped by (batch,
@@ -185,8 +277,9 @@ class ForwardPass {
     const auto panels = pack_key_blocks();
     const auto order = costliest_groups_first(g_.B * g_.H * g_.nq, g_.nq, [&](int64_t item) {
       const int64_t b = item / (g_.H * g_.nq);
-      const int64_t q_end = std::min(g_.T, (item % g_.nq + 1) * kBlockQ);
-      return std::min(q_end, summary_.key_end[b]);
+      const int64_t q0 = (item % g_.nq) * kBlockQ + g_.q_start;
+      const int64_t q_end = std::min(g_.Tq, (item % g_.nq + 1) * kBlockQ) + g_.q_start;
+      return std::max<int64_t>(0, std::min(q_end, summary_.key_end[b]) - first_key(q0));
     });
     run_items(
         order, [&] { return ForwardWorkspace<scalar_t>(g_.hd, products_); },
@@ -194,15 +287,18 @@ class ForwardPass {
   }
 
  private:
+  // The first key that a query at position q sees by the window.
+  int64_t first_key(int64_t q) const { return g_.window == kNoWindow ? 0 : std::max<int64_t>(0, q - g_.window + 1); }
+
   // The key block's panels in pack_key_blocks' buffer: keys transposed, then values as rows (float32
   // values, or bfloat16 ones holding pairs).
   int64_t key_panels_size() const { return packed_size(products_, g_.hd, kBlockK); }
   int64_t block_panels_size() const { return key_panels_size() + packed_size(products_, kBlockK, g_.hd); }
 
-  // With a micro-kernel: the panels of every key block of every (batch, key/value head) with a real key, packed
-  // in parallel once per call rather than once per query block that reads them (2/3 of qkv's elements,
-  // in float32 for the float32 micro-kernel, in bfloat16 for pairs, when hd is a multiple of 16; the value
-  // panels round hd up to one). Undefined (no memory) where the products go to BLAS.
+  // With a micro-kernel: the panels of every key block of every (batch, key/value head) with a real key that a
+  // query sees, packed in parallel once per call rather than once per query block that reads them (in float32
+  // for the float32 micro-kernel, in bfloat16 for pairs; the value panels round hd up to a panel).
+  // Undefined (no memory) where the products go to BLAS.
   at::Tensor pack_key_blocks() const {
     if constexpr (std::is_same_v<acc_t, float>) {
       if (products_ == Products::kPairs) {
@@ -211,8 +307,8 @@ class ForwardPass {
           scalar_t* base = buf.data_ptr<scalar_t>();
           for_each_key_block([&](const HeadRows<scalar_t>& rows, int64_t i, int64_t k0, int64_t bk) {
             scalar_t* dst = base + i * block_panels_size();
-            pack_pairs(rows.k + k0 * rows.ld, 1, rows.ld, g_.hd, bk, dst);
-            pack_pairs(rows.v + k0 * rows.ld, rows.ld, 1, bk, g_.hd, dst + key_panels_size());
+            pack_pairs(rows.k + k0 * rows.k_ld, 1, rows.k_ld, g_.hd, bk, dst);
+            pack_pairs(rows.v + k0 * rows.v_ld, rows.v_ld, 1, bk, g_.hd, dst + key_panels_size());
           });
           return buf;
         }
@@ -222,8 +318,8 @@ class ForwardPass {
         float* base = buf.data_ptr<float>();
         for_each_key_block([&](const HeadRows<scalar_t>& rows, int64_t i, int64_t k0, int64_t bk) {
           float* dst = base + i * block_panels_size();
-          pack_transposed(rows.k + k0 * rows.ld, rows.ld, bk, g_.hd, dst);
-          pack_rows(rows.v + k0 * rows.ld, rows.ld, bk, g_.hd, dst + key_panels_size());
+          pack_transposed(rows.k + k0 * rows.k_ld, rows.k_ld, bk, g_.hd, dst);
+          pack_rows(rows.v + k0 * rows.v_ld, rows.v_ld, bk, g_.hd, dst + key_panels_size());
         });
         return buf;
       }
@@ -231,20 +327,22 @@ class ForwardPass {
     return {};
   }
 
-  // f(rows, i, k0, bk) in parallel for each key block i = bg * nk + kb with a real key: the rows of its
-  // (batch, key/value head) bg (those of the group's first query head), first key and keys up to the
-  // last real one.
+  // f(rows, i, k0, bk) in parallel for each key block i = bg * nk + kb with a real key that a query sees:
+  // the rows of its (batch, key/value head) bg (those of the group's first query head), first key and keys
+  // up to the last real one.
   template <typename F>
   void for_each_key_block(const F& f) const {
+    const int64_t first = first_key(g_.q_start);
     at::parallel_for(0, g_.B * g_.Hkv * g_.nk, 1, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t bg = i / g_.nk;
         const int64_t b = bg / g_.Hkv;
         const int64_t k0 = (i % g_.nk) * kBlockK;
-        if (summary_.status[b * g_.nk + i % g_.nk] == kNoneReal || k0 >= summary_.key_end[b]) {
+        if (summary_.status[b * g_.nk + i % g_.nk] == kNoneReal || k0 >= summary_.key_end[b] ||
+            k0 + kBlockK <= first) {
           continue;
         }
-        f(HeadRows<scalar_t>(qkv_, g_, b, (bg % g_.Hkv) * g_.group), i, k0,
+        f(HeadRows<scalar_t>(in_, g_, b, (bg % g_.Hkv) * g_.group), i, k0,
           std::min(summary_.key_end[b], k0 + kBlockK) - k0);
       }
     });
@@ -268,75 +366,80 @@ class ForwardPass {
   void query_block(int64_t bh, int64_t qb, const at::Tensor& panels, ForwardWorkspace<scalar_t>& ws) const {
     const int64_t b = bh / g_.H;
     const int64_t h = bh % g_.H;
-    const HeadRows<scalar_t> rows(qkv_, g_, b, h);
-    const int64_t q0 = qb * kBlockQ;
-    const int64_t bq = std::min(g_.T, q0 + kBlockQ) - q0;
+    const HeadRows<scalar_t> rows(in_, g_, b, h);
+    const int64_t q0 = qb * kBlockQ;  // query index; its key position is q0 + q_start
+    const int64_t qp = q0 + g_.q_start;
+    const int64_t bq = std::min(g_.Tq, q0 + kBlockQ) - q0;
     std::fill(ws.o.begin(), ws.o.begin() + bq * g_.hd, acc_t(0));
     std::fill(ws.m.begin(), ws.m.begin() + bq, -std::numeric_limits<acc_t>::infinity());
     std::fill(ws.l.begin(), ws.l.begin() + bq, acc_t(0));
-    const auto q_block = operand<scalar_t>(rows.q + q0 * rows.ld, rows.ld, bq, g_.hd, products_, ws.q_wide);
+    const auto q_block = operand<scalar_t>(rows.q + q0 * rows.q_ld, rows.q_ld, bq, g_.hd, products_, ws.q_wide);
 
-    const int64_t k_stop = std::min(q0 + bq, summary_.key_end[b]);  // causal, and no key past the last real one
-    for (int64_t kb = 0; kb * kBlockK < k_stop; ++kb) {
+    const int64_t k_stop = std::min(qp + bq, summary_.key_end[b]);  // causal, and no key past the last real one
+    for (int64_t kb = first_key(qp) / kBlockK; kb * kBlockK < k_stop; ++kb) {
       const uint8_t st = summary_.status[b * g_.nk + kb];
       if (st == kNoneReal) {
         continue;
       }
       const int64_t k0 = kb * kBlockK;
-      const bool* key_mask = (st == kMixed) ? summary_.mask + b * g_.T + k0 : nullptr;
-      const auto block = block_panels(panels, b * g_.Hkv + h / g_.group, kb,
-                                      std::min(summary_.key_end[b], k0 + kBlockK) - k0);
-      causal_tiles(q0, bq, k0, std::min(k_stop, k0 + kBlockK) - k0, [&](int64_t r0, int64_t r1, int64_t cols) {
-        tile(rows, q_block, bh, q0 + r0, r0, r1 - r0, k0, cols, key_mask, block, ws);
+      const bool* key_mask = (st == kMixed) ? summary_.mask + b * g_.Tk + k0 : nullptr;
+      const int64_t packed = std::min(summary_.key_end[b], k0 + kBlockK) - k0;
+      const auto block = block_panels(panels, b * g_.Hkv + h / g_.group, kb, packed);
+      causal_tiles(qp, bq, k0, std::min(k_stop, k0 + kBlockK) - k0, [&](int64_t r0, int64_t r1, int64_t cols) {
+        tile(rows, q_block, bh, qp + r0, r0, r1 - r0, k0, pair_cols(products_, cols, packed), key_mask, block, ws);
       });
     }
     tile::tile_ops<scalar_t>().finalize(ws.o.data(), g_.hd, bq, g_.hd, ws.m.data(), ws.l.data(),
-                                        out_ + (b * g_.T + q0) * g_.dim + h * g_.hd, g_.dim, lse_ + bh * g_.T + q0);
+                                        out_ + (b * g_.Tq + q0) * g_.dim + h * g_.hd, g_.dim, lse_ + bh * g_.Tq + q0);
   }
 
-  // Queries q..q+n (rows r0.. of the block's state) against keys k0..k0+cols: the scores, one
-  // online-softmax step, dropout, and O = O * alpha + P V.
-  // q_block: the block's queries (row r0 is query q).
+  // Queries at key positions q..q+n (rows r0.. of the block's state) against keys k0..k0+cols: the scores,
+  // one online-softmax step, dropout, and O = O * alpha + P V.
+  // q_block: the block's queries (row r0 is the query at q).
   void tile(const HeadRows<scalar_t>& rows, const Operand<scalar_t>& q_block, int64_t bh, int64_t q, int64_t r0,
             int64_t n, int64_t k0, int64_t cols, const bool* key_mask, const KeyBlockPanels<acc_t>& panels,
             ForwardWorkspace<scalar_t>& ws) const {
     const auto& acc_ops = tile::tile_ops<acc_t>();
     acc_t* s = ws.s.data();
-    score_product<scalar_t>(rows_from(q_block, r0), rows.k + k0 * rows.ld, rows.ld, n, cols, g_.hd, s, cols,
+    const int64_t causal = causal_offset(q, k0, cols);
+    const int64_t first = window_first(q, k0, g_.window);
+    score_product<scalar_t>(rows_from(q_block, r0), rows.k + k0 * rows.k_ld, rows.k_ld, n, cols, g_.hd, s, cols,
                             panels.keys);
+    shape_scores<acc_t>(s, cols, n, cols, rule_, first, nullptr);
     const auto p = [&]() -> Operand<scalar_t> {  // P, entries <= 1, as the product P V reads it
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
         if (products_ == Products::kPairs && !drop_.has_value()) {  // rounded as the softmax makes it
-          tile::tile_ops<scalar_t>().softmax_tile_rounded(s, cols, n, cols, scale_, causal_offset(q, k0, cols),
-                                                          key_mask, ws.m.data() + r0, ws.l.data() + r0,
-                                                          ws.alpha.data() + r0, ws.p_pairs.data(), pair_row_ld(cols));
+          tile::tile_ops<scalar_t>().softmax_tile_rounded(s, cols, n, cols, softmax_scale_, causal, key_mask,
+                                                          ws.m.data() + r0, ws.l.data() + r0, ws.alpha.data() + r0,
+                                                          ws.p_pairs.data(), pair_row_ld(cols));
           return pair_rows_operand(ws.p_pairs.data(), n, cols);
         }
       }
-      acc_ops.softmax_tile(s, cols, n, cols, scale_, causal_offset(q, k0, cols), key_mask, ws.m.data() + r0,
-                           ws.l.data() + r0, ws.alpha.data() + r0, ws.buf.data());
+      acc_ops.softmax_tile(s, cols, n, cols, softmax_scale_, causal, key_mask, ws.m.data() + r0, ws.l.data() + r0,
+                           ws.alpha.data() + r0, ws.buf.data());
       if (drop_.has_value()) {  // after the row sums: they are the softmax's, before dropout
         acc_ops.dropout(s, nullptr, cols, n, cols, *drop_, static_cast<uint64_t>(bh), q, k0);
       }
       return input_operand<scalar_t>(s, ws.p_in.data(), ws.p_wide.data(), cols, n, cols, products_,
                                      {ws.p_pairs.data(), nullptr});
     }();
-    row_product<scalar_t>(false, n, g_.hd, cols, p, rows.v + k0 * rows.ld, rows.ld, panels.values, false,
+    row_product<scalar_t>(false, n, g_.hd, cols, p, rows.v + k0 * rows.v_ld, rows.v_ld, panels.values, false,
                           ws.pv.data(), g_.hd);
-    if (key_mask != nullptr || causal_offset(q, k0, cols) != tile::kNoCausal) {
-      exclude_masked_values<scalar_t>(p, rows.v + k0 * rows.ld, rows.ld, n, cols, g_.hd, causal_offset(q, k0, cols),
-                                      key_mask, ws.pv.data());
+    if (key_mask != nullptr || causal != tile::kNoCausal || window_cuts(first, n)) {
+      exclude_masked_values<scalar_t>(p, rows.v + k0 * rows.v_ld, rows.v_ld, n, cols, g_.hd, causal, first, key_mask,
+                                      ws.pv.data());
     }
     acc_ops.rescale_add(ws.o.data() + r0 * g_.hd, g_.hd, ws.pv.data(), g_.hd, n, g_.hd, ws.alpha.data() + r0);
   }
 
-  const at::Tensor& qkv_;
+  const HeadOperands<const scalar_t> in_;
   const Geometry g_;
+  const ScoreRule rule_;
   const MaskSummary summary_;
   const OptionalDropout drop_;
   scalar_t* out_;
   acc_t* lse_;
-  const acc_t scale_;
+  const acc_t softmax_scale_;
   const Products products_;
 };
 
@@ -346,26 +449,27 @@ class ForwardPass {
 template <typename scalar_t>
 struct BackwardWorkspace {
   using acc_t = at::opmath_type<scalar_t>;
-  BackwardWorkspace(int64_t T, int64_t hd, int64_t group, bool dropout, Products products)
+  BackwardWorkspace(int64_t Tq, int64_t hd, int64_t group, bool dropout, bool softcap, Products products)
       : p(kBwdBlockQ * kBwdBlockK),
         dp(kBwdBlockQ * kBwdBlockK),
         p_drop(dropout ? kBwdBlockQ * kBwdBlockK : 0),
         p_in(kReduced<scalar_t> && products == Products::kBlas ? kBwdBlockQ * kBwdBlockK : 0),
         ds_in(kReduced<scalar_t> && products == Products::kBlas ? kBwdBlockQ * kBwdBlockK : 0),
-        dq(group * T * hd),
+        dq(group * Tq * hd),
         dk(kBwdBlockK * hd),
         dv(kBwdBlockK * hd),
         p_wide(kReduced<scalar_t> && products == Products::kPanels ? kBwdBlockQ * kBwdBlockK : 0),
         ds_wide(kReduced<scalar_t> && products == Products::kPanels ? kBwdBlockQ * kBwdBlockK : 0),
         p_tpairs(products == Products::kPairs ? kBwdBlockQ * kBwdBlockK : 0),
         ds_pairs(products == Products::kPairs ? kBwdBlockQ * kBwdBlockK : 0),
-        ds_tpairs(products == Products::kPairs ? kBwdBlockQ * kBwdBlockK : 0) {}
+        ds_tpairs(products == Products::kPairs ? kBwdBlockQ * kBwdBlockK : 0),
+        tanh(softcap ? kBwdBlockQ * kBwdBlockK : 0) {}
   std::vector<acc_t> p;          // P (from the saved lse)
   std::vector<acc_t> dp;         // dP, then dS
   std::vector<acc_t> p_drop;     // with dropout: P_drop
   std::vector<scalar_t> p_in;    // bfloat16 / half: P (or P_drop) in the input type, for P^T dO
   std::vector<scalar_t> ds_in;   // bfloat16 / half: dS in the input type, for dS K and dS^T Q
-  std::vector<acc_t> dq;         // (group, T, hd): the key/value head's query heads
+  std::vector<acc_t> dq;         // (group, Tq, hd): the key/value head's query heads
   std::vector<acc_t> dk, dv;     // (block_k, hd) of the key block
   PanelBuffer<scalar_t> keys, values, key_rows;  // the micro-kernel's panels of the key block (tile_products.h)
   PanelBuffer<scalar_t> query_rows, dout_rows;   // and of a query block's q and dO
@@ -373,6 +477,7 @@ struct BackwardWorkspace {
   std::vector<acc_t> p_wide, ds_wide;     // float32 micro-kernel, bfloat16 / half: P (P_drop) and dS rounded, widened
   std::vector<scalar_t> p_tpairs;         // pair micro-kernel: P (P_drop) transposed, in pairs
   std::vector<scalar_t> ds_pairs, ds_tpairs;  // pair micro-kernel: dS in pairs, and transposed
+  std::vector<acc_t> tanh;                    // softcap: the tile's tanh(scale * s / softcap)
 };
 
 template <typename scalar_t>
@@ -380,12 +485,15 @@ class BackwardPass {
  public:
   using acc_t = at::opmath_type<scalar_t>;
 
-  BackwardPass(const at::Tensor& grad_out, const at::Tensor& qkv, const std::optional<at::Tensor>& mask,
-               const at::Tensor& out, const at::Tensor& lse, const Geometry& g, const OptionalDropout& drop,
-               const at::Tensor& grad_qkv)
-      : qkv_(qkv),
+  // grad: where dq, dk, dv go (every element is written).
+  BackwardPass(const at::Tensor& grad_out, const HeadOperands<const scalar_t>& in,
+               const std::optional<at::Tensor>& mask, const at::Tensor& out, const at::Tensor& lse, const Geometry& g,
+               const ScoreRule& rule, const OptionalDropout& drop, const HeadOperands<scalar_t>& grad)
+      : in_(in),
+        grad_(grad),
         g_(g),
-        summary_(summarize(mask, g.B, g.T, kBwdBlockK)),
+        rule_(rule),
+        summary_(summarize(mask, g.B, g.Tk, kBwdBlockK)),
         drop_(drop),
         // delta[b, t, h] = sum_d dO[b, t, h, d] * O[b, t, h, d]   (O with dropout: sum_j P dP_drop, still)
         products_(products_for<scalar_t>(g.hd)),
@@ -393,15 +501,17 @@ class BackwardPass {
         delta_(delta_t_.const_data_ptr<acc_t>()),
         lse_(lse.const_data_ptr<acc_t>()),
         dout_(grad_out.const_data_ptr<scalar_t>()),
-        grad_(grad_qkv.data_ptr<scalar_t>()),
-        scale_(acc_t(1) / std::sqrt(static_cast<acc_t>(g.hd))) {}
+        softmax_scale_(static_cast<acc_t>(softmax_scale(rule))) {}
 
   // Work items are (batch, key/value head), costing the keys of the sequence: dK and dV sum over the
   // group's query heads.
   void run() const {
     const auto order = costliest_first(g_.B * g_.Hkv, [&](int64_t bg) { return summary_.key_end[bg / g_.Hkv]; });
     run_items(
-        order, [&] { return BackwardWorkspace<scalar_t>(g_.T, g_.hd, g_.group, drop_.has_value(), products_); },
+        order,
+        [&] {
+          return BackwardWorkspace<scalar_t>(g_.Tq, g_.hd, g_.group, drop_.has_value(), rule_.softcap > 0, products_);
+        },
         [&](int64_t bg, BackwardWorkspace<scalar_t>& ws) { kv_head(bg, ws); });
   }
 
@@ -410,15 +520,15 @@ class BackwardPass {
   static at::Tensor delta(const at::Tensor& grad_out, const at::Tensor& out, const Geometry& g, Products products) {
     const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
     if (products == Products::kBlas) {
-      return (grad_out.to(acc_dtype) * out.to(acc_dtype)).view({g.B, g.T, g.H, g.hd}).sum(3).contiguous();
+      return (grad_out.to(acc_dtype) * out.to(acc_dtype)).view({g.B, g.Tq, g.H, g.hd}).sum(3).contiguous();
     }
     const auto dout = grad_out.contiguous();
     const auto o = out.contiguous();
-    at::Tensor result = at::empty({g.B, g.T, g.H}, grad_out.options().dtype(acc_dtype));
+    at::Tensor result = at::empty({g.B, g.Tq, g.H}, grad_out.options().dtype(acc_dtype));
     const scalar_t* x = dout.const_data_ptr<scalar_t>();
     const scalar_t* y = o.const_data_ptr<scalar_t>();
     acc_t* d = result.data_ptr<acc_t>();
-    at::parallel_for(0, g.B * g.T * g.H, 4096, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, g.B * g.Tq * g.H, 4096, [&](int64_t r0, int64_t r1) {
       const auto& ops = tile::tile_ops<scalar_t>();
       (products == Products::kPairs ? ops.pair_dots : ops.fma_dots)(x + r0 * g.hd, y + r0 * g.hd, r1 - r0, g.hd,
                                                                     d + r0);
@@ -426,16 +536,21 @@ class BackwardPass {
     return result;
   }
 
-  // The rows of grad_qkv of sequence b (ld width).
-  scalar_t* grad_rows(int64_t b) const { return grad_ + b * g_.T * g_.width; }
-
   // dK and dV of keys k0..k1 of (b, key/value head kv) that no query may attend (padding) are zero.
   void zero_key_rows(int64_t b, int64_t kv, int64_t k0, int64_t k1) const {
     for (int64_t t = k0; t < k1; ++t) {
-      scalar_t* row = grad_rows(b) + t * g_.width + g_.dim + kv * g_.hd;
-      std::fill(row, row + g_.hd, scalar_t(0));
-      std::fill(row + g_.kv_dim, row + g_.kv_dim + g_.hd, scalar_t(0));
+      std::fill(grad_.k.row(b, kv, t), grad_.k.row(b, kv, t) + g_.hd, scalar_t(0));
+      std::fill(grad_.v.row(b, kv, t), grad_.v.row(b, kv, t) + g_.hd, scalar_t(0));
     }
+  }
+
+  // The queries (indices, from a block boundary) that may see keys k0..k0+bk: from the one at key
+  // position k0, up to the last one whose window still holds key k0 + bk - 1.
+  std::pair<int64_t, int64_t> query_range(int64_t k0, int64_t bk) const {
+    const int64_t first = std::max<int64_t>(0, k0 - g_.q_start);
+    const int64_t end = g_.window == kNoWindow ? g_.Tq
+                                               : std::clamp<int64_t>(k0 + bk - 1 + g_.window - g_.q_start, 0, g_.Tq);
+    return {(first / kBwdBlockQ) * kBwdBlockQ, end};
   }
 
   // dQ of a key/value head's query heads, and its dK, dV: key blocks in order, each against the
@@ -444,67 +559,71 @@ class BackwardPass {
     const int64_t b = bg / g_.Hkv;
     const int64_t kv = bg % g_.Hkv;
     const int64_t h0 = kv * g_.group;  // the group's first query head
-    const HeadRows<scalar_t> rows(qkv_, g_, b, h0);  // k and v: the group's
-    const int64_t ld_grad = g_.width;
+    const HeadRows<scalar_t> rows(in_, g_, b, h0);  // k and v: the group's
     const int64_t key_end = summary_.key_end[b];
     std::fill(ws.dq.begin(), ws.dq.end(), acc_t(0));
-    zero_key_rows(b, kv, key_end, g_.T);
+    zero_key_rows(b, kv, key_end, g_.Tk);
     for (int64_t kb = 0; kb * kBwdBlockK < key_end; ++kb) {
       const uint8_t st = summary_.status[b * g_.nk + kb];
       const int64_t k0 = kb * kBwdBlockK;
       const int64_t bk = std::min(key_end, k0 + kBwdBlockK) - k0;
-      if (st == kNoneReal) {
+      const auto [q_first, q_end] = query_range(k0, bk);
+      if (st == kNoneReal || q_first >= q_end) {
         zero_key_rows(b, kv, k0, k0 + bk);
         continue;
       }
-      const bool* key_mask = (st == kMixed) ? summary_.mask + b * g_.T + k0 : nullptr;
+      const bool* key_mask = (st == kMixed) ? summary_.mask + b * g_.Tk + k0 : nullptr;
       std::fill(ws.dk.begin(), ws.dk.begin() + bk * g_.hd, acc_t(0));
       std::fill(ws.dv.begin(), ws.dv.begin() + bk * g_.hd, acc_t(0));
       const KeyBlockPanels<acc_t> panels{
-          transposed_panels<scalar_t>(rows.k + k0 * rows.ld, rows.ld, bk, g_.hd, ws.keys, products_),
-          transposed_panels<scalar_t>(rows.v + k0 * rows.ld, rows.ld, bk, g_.hd, ws.values, products_),
-          row_panels<scalar_t>(rows.k + k0 * rows.ld, rows.ld, bk, g_.hd, ws.key_rows, products_)};
+          transposed_panels<scalar_t>(rows.k + k0 * rows.k_ld, rows.k_ld, bk, g_.hd, ws.keys, products_),
+          transposed_panels<scalar_t>(rows.v + k0 * rows.v_ld, rows.v_ld, bk, g_.hd, ws.values, products_),
+          row_panels<scalar_t>(rows.k + k0 * rows.k_ld, rows.k_ld, bk, g_.hd, ws.key_rows, products_)};
       for (int64_t i = 0; i < g_.group; ++i) {
-        const HeadRows<scalar_t> head_rows(qkv_, g_, b, h0 + i);
-        acc_t* dq = ws.dq.data() + i * g_.T * g_.hd;
-        for (int64_t q0 = (k0 / kBwdBlockQ) * kBwdBlockQ; q0 < g_.T; q0 += kBwdBlockQ) {
-          causal_tiles(q0, std::min(g_.T, q0 + kBwdBlockQ) - q0, k0, bk, [&](int64_t r0, int64_t r1, int64_t cols) {
-            tile(head_rows, b, h0 + i, q0 + r0, r1 - r0, k0, cols, key_mask, panels, dq, ws);
+        const HeadRows<scalar_t> head_rows(in_, g_, b, h0 + i);
+        acc_t* dq = ws.dq.data() + i * g_.Tq * g_.hd;
+        for (int64_t q0 = q_first; q0 < q_end; q0 += kBwdBlockQ) {
+          const int64_t bq = std::min(q_end, q0 + kBwdBlockQ) - q0;
+          causal_tiles(q0 + g_.q_start, bq, k0, bk, [&](int64_t r0, int64_t r1, int64_t cols) {
+            tile(head_rows, b, h0 + i, q0 + r0, r1 - r0, k0, pair_cols(products_, cols, bk), key_mask, panels, dq, ws);
           });
         }
       }
       const auto& ops = tile::tile_ops<scalar_t>();
-      scalar_t* grad_k0 = grad_rows(b) + k0 * ld_grad + g_.dim + kv * g_.hd;
-      ops.store(ws.dk.data(), g_.hd, bk, g_.hd, grad_k0, ld_grad);
-      ops.store(ws.dv.data(), g_.hd, bk, g_.hd, grad_k0 + g_.kv_dim, ld_grad);
+      ops.store(ws.dk.data(), g_.hd, bk, g_.hd, grad_.k.row(b, kv, k0), grad_.k.st);
+      ops.store(ws.dv.data(), g_.hd, bk, g_.hd, grad_.v.row(b, kv, k0), grad_.v.st);
     }
     for (int64_t i = 0; i < g_.group; ++i) {
-      tile::tile_ops<scalar_t>().store(ws.dq.data() + i * g_.T * g_.hd, g_.hd, g_.T, g_.hd,
-                                       grad_rows(b) + (h0 + i) * g_.hd, ld_grad);
+      tile::tile_ops<scalar_t>().store(ws.dq.data() + i * g_.Tq * g_.hd, g_.hd, g_.Tq, g_.hd,
+                                       grad_.q.row(b, h0 + i, 0), grad_.q.st);
     }
   }
 
-  // Queries q..q+n of head h against keys k0..k0+cols: P, dP, then dV += P_drop^T dO, dS = scale * P
-  // (dP_drop - delta), dQ += dS K (dq: the head's (T, hd)), dK += dS^T Q. Products in the input type (P and
-  // dS rounded to it) with acc_t sums.
-  void tile(const HeadRows<scalar_t>& rows, int64_t b, int64_t h, int64_t q, int64_t n, int64_t k0, int64_t cols,
+  // Queries t..t+n (indices; key positions from t + q_start) of head h against keys k0..k0+cols: P, dP,
+  // then dV += P_drop^T dO, dS = scale * P (dP_drop - delta) (times the softcap's derivative), dQ += dS K
+  // (dq: the head's (Tq, hd)), dK += dS^T Q. Products in the input type (P and dS rounded to it) with
+  // acc_t sums.
+  void tile(const HeadRows<scalar_t>& rows, int64_t b, int64_t h, int64_t t, int64_t n, int64_t k0, int64_t cols,
             const bool* key_mask, const KeyBlockPanels<acc_t>& panels, acc_t* dq,
             BackwardWorkspace<scalar_t>& ws) const {
     const auto& acc_ops = tile::tile_ops<acc_t>();
     const int64_t bh = b * g_.H + h;
     const int64_t hd = g_.hd;
-    const scalar_t* q_rows = rows.q + q * rows.ld;
-    const scalar_t* k_rows = rows.k + k0 * rows.ld;
-    const scalar_t* dout_rows = dout_ + (b * g_.T + q) * g_.dim + h * hd;  // ld dim
-    const auto q_op = operand<scalar_t>(q_rows, rows.ld, n, hd, products_, ws.q_wide);
+    const int64_t q = t + g_.q_start;  // key position of the first row
+    const int64_t causal = causal_offset(q, k0, cols);
+    const scalar_t* q_rows = rows.q + t * rows.q_ld;
+    const scalar_t* k_rows = rows.k + k0 * rows.k_ld;
+    const scalar_t* dout_rows = dout_ + (b * g_.Tq + t) * g_.dim + h * hd;  // ld dim
+    const auto q_op = operand<scalar_t>(q_rows, rows.q_ld, n, hd, products_, ws.q_wide);
     const auto dout_op = operand<scalar_t>(dout_rows, g_.dim, n, hd, products_, ws.dout_wide);
     acc_t* p = ws.p.data();
     acc_t* dp = ws.dp.data();
-    // P = exp(scale * q k^T - lse)
-    score_product<scalar_t>(q_op, k_rows, rows.ld, n, cols, hd, p, cols, panels.keys);
-    acc_ops.probabilities(p, cols, n, cols, scale_, causal_offset(q, k0, cols), key_mask, lse_ + bh * g_.T + q);
+    // P = exp(scores - lse)
+    score_product<scalar_t>(q_op, k_rows, rows.k_ld, n, cols, hd, p, cols, panels.keys);
+    shape_scores<acc_t>(p, cols, n, cols, rule_, window_first(q, k0, g_.window), ws.tanh.data());
+    acc_ops.probabilities(p, cols, n, cols, softmax_scale_, causal, key_mask, lse_ + bh * g_.Tq + t);
     // dP = dO v^T
-    score_product<scalar_t>(dout_op, rows.v + k0 * rows.ld, rows.ld, n, cols, hd, dp, cols, panels.values);
+    score_product<scalar_t>(dout_op, rows.v + k0 * rows.v_ld, rows.v_ld, n, cols, hd, dp, cols, panels.values);
     const acc_t* p_drop = p;
     if (drop_.has_value()) {  // P_drop = P * keep / (1 - p) and dP_drop = dP * keep / (1 - p)
       std::copy(p, p + n * cols, ws.p_drop.data());
@@ -518,39 +637,46 @@ class BackwardPass {
                                                   {nullptr, ws.p_tpairs.data()}),
                           dout_rows, g_.dim, dout_panels, true, ws.dv.data(), hd);
     // dS = scale * P (dP_drop - delta), in the input type for the products that follow
-    const acc_t* delta = delta_ + (b * g_.T + q) * g_.H + h;
+    const acc_t* delta = delta_ + (b * g_.Tq + t) * g_.H + h;
     const auto ds = [&]() -> Operand<scalar_t> {
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-        if (products_ == Products::kPairs) {  // rounded, both ways, as it is made
+        if (products_ == Products::kPairs && rule_.softcap == 0) {  // rounded, both ways, as it is made
           const int64_t ld_rows = pair_row_ld(cols);
-          tile::tile_ops<scalar_t>().score_grad_pairs(dp, p, cols, n, cols, scale_, delta, g_.H, ws.ds_pairs.data(),
-                                                      ld_rows, ws.ds_tpairs.data(), 2 * cols);
+          tile::tile_ops<scalar_t>().score_grad_pairs(dp, p, cols, n, cols, softmax_scale_, delta, g_.H,
+                                                      ws.ds_pairs.data(), ld_rows, ws.ds_tpairs.data(), 2 * cols);
           return {nullptr, ld_rows, nullptr, 0, pair_rows_view(ws.ds_pairs.data(), cols),
                   transposed_pairs_view(ws.ds_tpairs.data(), cols)};
         }
       }
-      acc_ops.score_grad(dp, p, cols, n, cols, scale_, delta, g_.H);
+      acc_ops.score_grad(dp, p, cols, n, cols, softmax_scale_, delta, g_.H);
+      if (rule_.softcap > 0) {  // d(cap * tanh(scale * s / cap)) / ds = scale * (1 - tanh^2)
+        const auto scale = static_cast<acc_t>(rule_.scale);
+        for (int64_t e = 0; e < n * cols; ++e) {
+          dp[e] *= scale * (acc_t(1) - ws.tanh[e] * ws.tanh[e]);
+        }
+      }
       return input_operand<scalar_t>(dp, ws.ds_in.data(), ws.ds_wide.data(), cols, n, cols, products_,
                                      {ws.ds_pairs.data(), ws.ds_tpairs.data()});
     }();
-    row_product<scalar_t>(false, n, hd, cols, ds, k_rows, rows.ld, panels.key_rows, true, dq + q * hd,
+    row_product<scalar_t>(false, n, hd, cols, ds, k_rows, rows.k_ld, panels.key_rows, true, dq + t * hd,
                           hd);  // dQ += dS K
-    row_product<scalar_t>(true, cols, hd, n, ds, q_rows, rows.ld,
-                          row_panels<scalar_t>(q_rows, rows.ld, n, hd, ws.query_rows, products_), true, ws.dk.data(),
-                          hd);  // dK += dS^T Q
+    row_product<scalar_t>(true, cols, hd, n, ds, q_rows, rows.q_ld,
+                          row_panels<scalar_t>(q_rows, rows.q_ld, n, hd, ws.query_rows, products_), true,
+                          ws.dk.data(), hd);  // dK += dS^T Q
   }
 
-  const at::Tensor& qkv_;
+  const HeadOperands<const scalar_t> in_;
+  const HeadOperands<scalar_t> grad_;
   const Geometry g_;
+  const ScoreRule rule_;
   const MaskSummary summary_;
   const OptionalDropout drop_;
   const Products products_;
-  const at::Tensor delta_t_;  // (B, T, H) acc_t, owns delta_
+  const at::Tensor delta_t_;  // (B, Tq, H) acc_t, owns delta_
   const acc_t* delta_;
   const acc_t* lse_;
-  const scalar_t* dout_;  // (B, T, H * hd)
-  scalar_t* grad_;        // (B, T, width)
-  const acc_t scale_;
+  const scalar_t* dout_;  // (B, Tq, H * hd)
+  const acc_t softmax_scale_;
 };
 
 void check_cpu_inputs(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, int64_t n_heads,
@@ -579,13 +705,39 @@ OptionalDropout dropout_of(double dropout_p, const std::optional<at::Tensor>& se
   return philox::Dropout(dropout_p, static_cast<uint64_t>(seed_value(*seed)));
 }
 
-
 std::optional<at::Tensor> contiguous_mask(const std::optional<at::Tensor>& mask) {
   return mask.has_value() ? std::optional<at::Tensor>(mask->contiguous()) : std::nullopt;
 }
 
 bool computes_in_float64(const at::Tensor& qkv, int64_t n_heads, int64_t n_kv_heads) {
   return tile::computes_in_float64(qkv.scalar_type(), qkv.size(2) / (n_heads + 2 * n_kv_heads));
+}
+
+// x (B, heads, T, hd) with heads whose rows BLAS can read by a leading dimension: the last dimension
+// dense and rows at least hd apart (else a contiguous copy).
+at::Tensor heads_rows(const at::Tensor& x) {
+  const bool ok = x.stride(3) == 1 && (x.size(2) <= 1 || x.stride(2) >= x.size(3));
+  return ok ? x : x.contiguous();
+}
+
+}  // namespace
+
+at::Tensor heads_grad_like(const at::Tensor& x) {
+  auto grad = at::empty_like(x);
+  return grad.sym_stride(3) == 1 ? grad : at::empty_symint(x.sym_sizes(), x.options());
+}
+
+namespace {
+
+ScoreRule score_rule(int64_t hd, std::optional<double> scale, std::optional<int64_t> window,
+                     std::optional<double> softcap) {
+  return {scale.value_or(1.0 / std::sqrt(static_cast<double>(hd))), softcap.value_or(0.0), window.value_or(kNoWindow)};
+}
+
+template <typename scalar_t>
+void forward(const HeadOperands<const scalar_t>& in, const std::optional<at::Tensor>& mask, const Geometry& g,
+             const ScoreRule& rule, const OptionalDropout& drop, const at::Tensor& out, const at::Tensor& lse) {
+  ForwardPass<scalar_t>(in, mask, g, rule, drop, out, lse).run();
 }
 
 }  // namespace
@@ -604,15 +756,17 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& qkv_i
   const auto drop = dropout_of(dropout_p, seed);
   const auto qkv = blas_rows(qkv_in);
   const auto mask = contiguous_mask(mask_in);
-  const auto g = geometry(qkv, n_heads, n_kv_heads, kBlockQ, kBlockK);
+  const int64_t B = qkv.size(0), T = qkv.size(1), hd = qkv.size(2) / (n_heads + 2 * n_kv_heads);
+  const auto g = geometry(B, T, T, n_heads, n_kv_heads, hd, kNoWindow, kBlockQ, kBlockK);
   const auto acc_dtype = qkv.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  auto out = at::empty({g.B, g.T, g.dim}, qkv.options());
-  auto lse = at::empty({g.B, g.H, g.T}, qkv.options().dtype(acc_dtype));
+  auto out = at::empty({g.B, g.Tq, g.dim}, qkv.options());
+  auto lse = at::empty({g.B, g.H, g.Tq}, qkv.options().dtype(acc_dtype));
   if (out.numel() == 0) {
     return {out, lse};
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "causal_attention_forward", [&] {
-    ForwardPass<scalar_t>(qkv, mask, g, drop, out, lse).run();
+    forward<scalar_t>(fused_heads(qkv.const_data_ptr<scalar_t>(), qkv, n_heads, n_kv_heads), mask, g,
+                      score_rule(hd, std::nullopt, std::nullopt, std::nullopt), drop, out, lse);
   });
   return {out, lse};
 }
@@ -631,22 +785,98 @@ at::Tensor attention_backward_cpu(const at::Tensor& grad_out_in, const at::Tenso
   const auto drop = dropout_of(dropout_p, seed);
   const auto qkv = blas_rows(qkv_in);
   const auto mask = contiguous_mask(mask_in);
-  const auto g = geometry(qkv, n_heads, n_kv_heads, kBwdBlockQ, kBwdBlockK);
-  TORCH_CHECK_VALUE(grad_out_in.sizes() == out.sizes() && out.sizes() == at::IntArrayRef({g.B, g.T, g.dim}),
-                    "grad_out and out must have shape (B, T, n_heads * head_dim) = (", g.B, ", ", g.T, ", ", g.dim,
-                    "); got ",
-                    grad_out_in.sizes(), " and ", out.sizes());
-  TORCH_CHECK_VALUE(lse.sizes() == at::IntArrayRef({g.B, g.H, g.T}), "lse must have shape (B, H, T); got ",
+  const int64_t B = qkv.size(0), T = qkv.size(1), hd = qkv.size(2) / (n_heads + 2 * n_kv_heads);
+  const auto g = geometry(B, T, T, n_heads, n_kv_heads, hd, kNoWindow, kBwdBlockQ, kBwdBlockK);
+  TORCH_CHECK_VALUE(grad_out_in.sizes() == out.sizes() && out.sizes() == at::IntArrayRef({g.B, g.Tq, g.dim}),
+                    "grad_out and out must have shape (B, T, n_heads * head_dim) = (", g.B, ", ", g.Tq, ", ", g.dim,
+                    "); got ", grad_out_in.sizes(), " and ", out.sizes());
+  TORCH_CHECK_VALUE(lse.sizes() == at::IntArrayRef({g.B, g.H, g.Tq}), "lse must have shape (B, H, T); got ",
                     lse.sizes());
   const auto grad_out = grad_out_in.to(qkv.scalar_type()).contiguous();
-  auto grad_qkv = at::empty({g.B, g.T, g.width}, qkv.options());  // every element is written
+  auto grad_qkv = at::empty({g.B, g.Tq, qkv.size(2)}, qkv.options());  // every element is written
   if (grad_qkv.numel() == 0) {
     return grad_qkv;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "causal_attention_backward", [&] {
-    BackwardPass<scalar_t>(grad_out, qkv, mask, out.contiguous(), lse.contiguous(), g, drop, grad_qkv).run();
+    BackwardPass<scalar_t>(grad_out, fused_heads(qkv.const_data_ptr<scalar_t>(), qkv, n_heads, n_kv_heads), mask,
+                           out.contiguous(), lse.contiguous(), g,
+                           score_rule(hd, std::nullopt, std::nullopt, std::nullopt), drop,
+                           fused_heads(grad_qkv.data_ptr<scalar_t>(), grad_qkv, n_heads, n_kv_heads))
+        .run();
   });
   return grad_qkv;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_heads_forward_cpu(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const std::optional<at::Tensor>& mask_in,
+    std::optional<double> scale, std::optional<int64_t> window, std::optional<double> softcap, double dropout_p,
+    const std::optional<at::Tensor>& seed) {
+  check_heads(q_in, k_in, v_in, mask_in, scale, window, softcap, dropout_p);
+  const int64_t B = q_in.size(0), H = q_in.size(1), Tq = q_in.size(2), hd = q_in.size(3);
+  const int64_t Hkv = k_in.size(1), Tk = k_in.size(2);
+  if (tile::computes_in_float64(q_in.scalar_type(), hd)) {
+    auto [out, lse] = attention_heads_forward_cpu(q_in.to(at::kDouble), k_in.to(at::kDouble), v_in.to(at::kDouble),
+                                                  mask_in, scale, window, softcap, dropout_p, seed);
+    return {out.to(at::kFloat), lse};
+  }
+  const auto drop = dropout_of(dropout_p, seed);
+  const auto q = heads_rows(q_in), k = heads_rows(k_in), v = heads_rows(v_in);
+  const auto mask = contiguous_mask(mask_in);
+  const auto rule = score_rule(hd, scale, window, softcap);
+  const auto g = geometry(B, Tq, Tk, H, Hkv, hd, rule.window, kBlockQ, kBlockK);
+  const auto acc_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  auto out = at::empty({B, Tq, H, hd}, q.options());
+  auto lse = at::empty({B, H, Tq}, q.options().dtype(acc_dtype));
+  if (out.numel() == 0) {
+    return {out, lse};
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "causal_attention_heads_forward", [&] {
+    const HeadOperands<const scalar_t> in{heads_view(q.const_data_ptr<scalar_t>(), q),
+                                          heads_view(k.const_data_ptr<scalar_t>(), k),
+                                          heads_view(v.const_data_ptr<scalar_t>(), v)};
+    forward<scalar_t>(in, mask, g, rule, drop, out, lse);
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_heads_backward_cpu(
+    const at::Tensor& grad_out_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const std::optional<at::Tensor>& mask_in, const at::Tensor& out, const at::Tensor& lse,
+    std::optional<double> scale, std::optional<int64_t> window, std::optional<double> softcap, double dropout_p,
+    const std::optional<at::Tensor>& seed) {
+  check_heads(q_in, k_in, v_in, mask_in, scale, window, softcap, dropout_p);
+  const int64_t B = q_in.size(0), H = q_in.size(1), Tq = q_in.size(2), hd = q_in.size(3);
+  const int64_t Hkv = k_in.size(1), Tk = k_in.size(2);
+  TORCH_CHECK_VALUE(grad_out_in.sizes() == out.sizes() && out.sizes() == at::IntArrayRef({B, Tq, H, hd}),
+                    "grad_out and out must have shape (B, Tq, H, head_dim) = (", B, ", ", Tq, ", ", H, ", ", hd,
+                    "); got ", grad_out_in.sizes(), " and ", out.sizes());
+  TORCH_CHECK_VALUE(lse.sizes() == at::IntArrayRef({B, H, Tq}), "lse must have shape (B, H, Tq) = (", B, ", ", H,
+                    ", ", Tq, "); got ", lse.sizes());
+  if (tile::computes_in_float64(q_in.scalar_type(), hd)) {
+    auto [dq, dk, dv] = attention_heads_backward_cpu(
+        grad_out_in.to(at::kDouble), q_in.to(at::kDouble), k_in.to(at::kDouble), v_in.to(at::kDouble), mask_in,
+        out.to(at::kDouble), lse.to(at::kDouble), scale, window, softcap, dropout_p, seed);
+    return {dq.to(at::kFloat), dk.to(at::kFloat), dv.to(at::kFloat)};
+  }
+  const auto drop = dropout_of(dropout_p, seed);
+  const auto q = heads_rows(q_in), k = heads_rows(k_in), v = heads_rows(v_in);
+  const auto mask = contiguous_mask(mask_in);
+  const auto rule = score_rule(hd, scale, window, softcap);
+  const auto g = geometry(B, Tq, Tk, H, Hkv, hd, rule.window, kBwdBlockQ, kBwdBlockK);
+  const auto grad_out = grad_out_in.to(q.scalar_type()).contiguous();
+  auto dq = heads_grad_like(q_in), dk = heads_grad_like(k_in), dv = heads_grad_like(v_in);  // every element written
+  if (dq.numel() == 0 || dk.numel() == 0) {
+    return {dq.zero_(), dk.zero_(), dv.zero_()};
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "causal_attention_heads_backward", [&] {
+    const HeadOperands<const scalar_t> in{heads_view(q.const_data_ptr<scalar_t>(), q),
+                                          heads_view(k.const_data_ptr<scalar_t>(), k),
+                                          heads_view(v.const_data_ptr<scalar_t>(), v)};
+    const HeadOperands<scalar_t> grad{heads_view(dq.data_ptr<scalar_t>(), dq), heads_view(dk.data_ptr<scalar_t>(), dk),
+                                      heads_view(dv.data_ptr<scalar_t>(), dv)};
+    BackwardPass<scalar_t>(grad_out, in, mask, out.contiguous(), lse.contiguous(), g, rule, drop, grad).run();
+  });
+  return {dq, dk, dv};
 }
 
 at::Tensor dropout_keep_mask_cpu(const at::Tensor& seed, int64_t B, int64_t H, int64_t T, double dropout_p) {

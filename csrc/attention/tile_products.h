@@ -388,11 +388,11 @@ acc_t operand_at(const Operand<scalar_t>& a, int64_t i, int64_t j) {
 // A product P V sums every key of the tile for every row, so a key that a row may not see (later, or
 // padding: P = 0 there) still adds 0 * v, which is NaN where v is NaN or inf: a later position's NaN
 // reached earlier rows. Rows of pv (n x hd) that came out non-finite are summed again over the keys the
-// row may see only (row i: j <= i + causal_offset, key_mask[j] where given), in k order with fused
-// multiply-adds (the micro-kernel's order). Only tiles with masked entries can have such keys.
+// row may see only (row i: window_first + i <= j <= i + causal_offset, key_mask[j] where given), in k order
+// with fused multiply-adds (the micro-kernel's order). Only tiles with masked entries can have such keys.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void exclude_masked_values(const Operand<scalar_t>& p, const scalar_t* v, int64_t ld_v, int64_t n, int64_t cols,
-                           int64_t hd, int64_t causal_offset, const bool* key_mask, acc_t* pv) {
+                           int64_t hd, int64_t causal_offset, int64_t window_first, const bool* key_mask, acc_t* pv) {
   for (int64_t i = 0; i < n; ++i) {
     acc_t* row = pv + i * hd;
     if (all_finite(row, hd)) {
@@ -400,7 +400,7 @@ void exclude_masked_values(const Operand<scalar_t>& p, const scalar_t* v, int64_
     }
     std::fill(row, row + hd, acc_t(0));
     const int64_t seen = std::clamp<int64_t>(i + causal_offset + 1, 0, cols);
-    for (int64_t j = 0; j < seen; ++j) {
+    for (int64_t j = std::clamp<int64_t>(window_first + i, 0, cols); j < seen; ++j) {
       if (key_mask != nullptr && !key_mask[j]) {
         continue;
       }

@@ -219,3 +219,63 @@ TEST(KernelGqa, BadHeadCountsAreNamed) {
       },
       c10::ValueError);
 }
+
+// The separate-heads entry (transformers' call) on views of one qkv buffer is the fused kernel bit for bit.
+TEST(KernelHeads, ViewsOfOneBufferAreTheFusedKernel) {
+  torch::manual_seed(11);
+  const int64_t B = 2, T = 150, H = 4, Hkv = 2, hd = 16;
+  const auto qkv = torch::randn({B, T, (H + 2 * Hkv) * hd}, torch::kFloat32);
+  const auto mask = torch::rand({B, T}) < 0.7;
+  const auto parts = qkv.split({H * hd, Hkv * hd, Hkv * hd}, 2);
+  const auto heads = [&](const torch::Tensor& t) { return t.unflatten(2, {-1, hd}).transpose(1, 2); };
+  const auto [out, lse] = kernels::attention_forward_cpu(qkv, mask, H, 0.0, std::nullopt, Hkv);
+  const auto [out_h, lse_h] =
+      kernels::attention_heads_forward_cpu(heads(parts[0]), heads(parts[1]), heads(parts[2]), mask);
+  ASSERT_EQ(out_h.sizes(), torch::IntArrayRef({B, T, H, hd}));
+  EXPECT_TRUE(torch::equal(out_h.flatten(2), out));
+  EXPECT_TRUE(torch::equal(lse_h, lse));
+  const auto grad_out = torch::randn_like(out);
+  const auto grad = kernels::attention_backward_cpu(grad_out, qkv, mask, out, lse, H, 0.0, std::nullopt, Hkv);
+  const auto [dq, dk, dv] = kernels::attention_heads_backward_cpu(grad_out.unflatten(2, {H, hd}), heads(parts[0]),
+                                                                  heads(parts[1]), heads(parts[2]), mask, out_h, lse_h);
+  const auto joined = torch::cat({dq.transpose(1, 2).flatten(2), dk.transpose(1, 2).flatten(2),
+                                  dv.transpose(1, 2).flatten(2)}, 2);
+  EXPECT_TRUE(torch::equal(joined, grad));
+}
+
+// A decode step against a longer past with a sliding window and softcap, held to the ATen math.
+TEST(KernelHeads, QueriesEndingAPastWithWindowAndSoftcap) {
+  torch::manual_seed(12);
+  const int64_t B = 2, H = 4, Hkv = 1, Tq = 3, Tk = 40, hd = 8, window = 10;
+  const double scale = 0.3, cap = 2.0;
+  const auto q = torch::randn({B, H, Tq, hd}, torch::kFloat64);
+  const auto k = torch::randn({B, Hkv, Tk, hd}, torch::kFloat64);
+  const auto v = torch::randn({B, Hkv, Tk, hd}, torch::kFloat64);
+  const auto mask = torch::rand({B, Tk}) < 0.8;
+  const auto [out, lse] = kernels::attention_heads_forward_cpu(q, k, v, mask, scale, window, cap);
+  auto scores = torch::matmul(q, k.expand({B, H, Tk, hd}).transpose(2, 3)) * scale;  // (B, H, Tq, Tk)
+  scores = torch::tanh(scores / cap) * cap;
+  const auto position = torch::arange(Tk - Tq, Tk).unsqueeze(1);
+  const auto key = torch::arange(Tk).unsqueeze(0);
+  const auto allowed = (key <= position).logical_and(position - key < window).unsqueeze(0).unsqueeze(0)
+                           .logical_and(mask.unsqueeze(1).unsqueeze(1));
+  auto weights = torch::softmax(scores.masked_fill(allowed.logical_not(), -INFINITY), -1);
+  weights = torch::where(allowed.any(-1, true), weights, torch::zeros_like(weights));
+  const auto expected = torch::matmul(weights, v.expand({B, H, Tk, hd})).transpose(1, 2);  // (B, Tq, H, hd)
+  EXPECT_LE(max_abs_diff(out, expected), 1e-12);
+}
+
+TEST(KernelHeads, BadArgumentsAreNamed) {
+  const auto q = torch::randn({1, 4, 6, 8});
+  const auto k = torch::randn({1, 2, 5, 8});
+  EXPECT_THROW(
+      {
+        try {
+          kernels::attention_heads_forward_cpu(q, k, k, std::nullopt);
+        } catch (const c10::ValueError& e) {
+          EXPECT_NE(std::string(e.what()).find("q's length (6) must not exceed k's (5)"), std::string::npos);
+          throw;
+        }
+      },
+      c10::ValueError);
+}

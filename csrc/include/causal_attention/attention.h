@@ -32,6 +32,13 @@ void check_qkv(const at::Tensor& qkv, int64_t n_heads);
 // last dim is (n_heads + 2 * n_kv_heads) * hd, q | k | v.
 void check_qkv(const at::Tensor& qkv, int64_t n_heads, int64_t n_kv_heads);
 
+// Validates the operands of attention over separate heads (attention_heads_forward): q (B, H, Tq, hd), k and
+// v (B, Hkv, Tk, hd) of one floating dtype and device, Hkv dividing H, Tq <= Tk; key_mask bool (B, Tk);
+// scale and softcap positive and finite, window positive; dropout only where Tq = Tk.
+void check_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const std::optional<at::Tensor>& key_mask, std::optional<double> scale, std::optional<int64_t> window,
+                 std::optional<double> softcap, double dropout_p);
+
 // Validates a user key padding mask against x (B, T, dim) and returns it as a bool (B, T)
 // tensor (an integer 0/1 mask means the same as bool; a float mask is ambiguous: TypeError).
 std::optional<at::Tensor> normalize_key_padding_mask(const std::optional<at::Tensor>& key_padding_mask,
@@ -103,6 +110,33 @@ at::Tensor attention_backward_cpu(const at::Tensor& grad_out, const at::Tensor& 
                                   const at::Tensor& lse, int64_t n_heads, double dropout_p = 0.0,
                                   const std::optional<at::Tensor>& seed = std::nullopt,
                                   std::optional<int64_t> n_kv_heads = std::nullopt);
+
+// Fused CPU attention over separate heads, the form transformers hands its attention functions:
+// q (B, H, Tq, hd), k and v (B, Hkv, Tk, hd), each head's rows dense (any other layout is copied),
+// Hkv dividing H (query head h reads key/value head h / (H / Hkv), each read once per group).
+// Query i sits at key position Tk - Tq + i (Tq <= Tk: a prefill, or queries against a cache) and sees
+// the keys j <= that position whose key_mask (B, Tk) bool entry is true (none: all), and with a window
+// only those with position - j < window. Scores are q . k * scale (default 1 / sqrt(hd)), with a softcap
+// softcap * tanh(scores / softcap). Returns (out (B, Tq, H, hd), lse (B, H, Tq), float32 or float64);
+// a query with no allowed key gives 0 and lse +inf. dropout_p > 0 needs Tq = Tk (as attention_forward_cpu).
+std::tuple<at::Tensor, at::Tensor> attention_heads_forward_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& key_mask,
+    std::optional<double> scale = std::nullopt, std::optional<int64_t> window = std::nullopt,
+    std::optional<double> softcap = std::nullopt, double dropout_p = 0.0,
+    const std::optional<at::Tensor>& seed = std::nullopt);
+
+// Its backward from the forward's out and lse: (dq, dk, dv), each of its input's shape (and layout where
+// that is dense). The other arguments must be the forward's.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_heads_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& key_mask, const at::Tensor& out, const at::Tensor& lse,
+    std::optional<double> scale = std::nullopt, std::optional<int64_t> window = std::nullopt,
+    std::optional<double> softcap = std::nullopt, double dropout_p = 0.0,
+    const std::optional<at::Tensor>& seed = std::nullopt);
+
+// The layout of attention_heads_backward_cpu's gradient of x (B, heads, T, hd): x's where x is dense with
+// its last dimension dense (transformers' query, a transposed view), else contiguous. Its meta kernel too.
+at::Tensor heads_grad_like(const at::Tensor& x);
 
 // dropout_keep_mask on the CPU (the seed is a CPU tensor).
 at::Tensor dropout_keep_mask_cpu(const at::Tensor& seed, int64_t B, int64_t H, int64_t T, double dropout_p);

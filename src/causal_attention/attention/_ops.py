@@ -207,6 +207,91 @@ def attention(
     return out
 
 
+class _HeadsFunction(torch.autograd.Function):
+    """attention_heads_forward's autograd: the fused backward (attention_heads_backward) from the saved lse.
+    A double backward differentiates the reference (_HeadsBackwardFunction)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None, window: int | None,
+        softcap: float | None, dropout_p: float, seed: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        return torch.ops.causal_attention.attention_heads_forward(q, k, v, mask, scale, window, softcap, dropout_p,
+                                                                  seed)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+        q, k, v, mask, scale, window, softcap, dropout_p, seed = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, mask, out, lse, seed)
+        ctx.options = (scale, window, softcap, dropout_p)
+        ctx.mark_non_differentiable(lse)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, mask, out, lse, seed = ctx.saved_tensors
+        dq, dk, dv = _HeadsBackwardFunction.apply(grad_out, q, k, v, mask, out, lse, *ctx.options, seed)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+class _HeadsBackwardFunction(torch.autograd.Function):
+    """attention_heads_backward's autograd (double backward): the reference's, differentiated again."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor,
+        scale: float | None, window: int | None, softcap: float | None, dropout_p: float, seed: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return torch.ops.causal_attention.attention_heads_backward(grad_out, q, k, v, mask, out, lse, scale, window,
+                                                                   softcap, dropout_p, seed)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
+        grad_out, q, k, v, mask, _out, _lse, scale, window, softcap, dropout_p, seed = inputs
+        ctx.save_for_backward(grad_out, q, k, v, mask, seed)
+        ctx.options = (scale, window, softcap, dropout_p)
+
+    @staticmethod
+    def backward(ctx: Any, gq: Tensor, gk: Tensor, gv: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        grad_out, q, k, v, mask, seed = ctx.saved_tensors
+        scale, window, softcap, dropout_p = ctx.options
+        keep = None
+        if dropout_p > 0:
+            B, H, T = q.shape[0], q.shape[1], q.shape[2]
+            keep = torch.ops.causal_attention.dropout_keep_mask(seed, B, H, T, dropout_p)  # (B, H, T, T)
+
+        def core(q_: Tensor, k_: Tensor, v_: Tensor) -> Tensor:  # (B, Tq, H, hd), the op's layout
+            y, _ = reference.attention(q_, k_, v_, key_mask=mask, scale=scale, window=window, softcap=softcap,
+                                       dropout_p=dropout_p, keep=keep)
+            return y.transpose(1, 2)
+
+        def first_grad(go: Tensor, q_: Tensor, k_: Tensor, v_: Tensor) -> tuple[Tensor, ...]:
+            _, vjp = torch.func.vjp(core, q_, k_, v_)
+            return vjp(go)
+
+        _, vjp2 = torch.func.vjp(first_grad, grad_out, q, k, v)
+        d_grad_out, dq, dk, dv = vjp2((gq, gk, gv))
+        return d_grad_out, dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def attention_heads(
+    q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None = None, *, scale: float | None = None,
+    window: int | None = None, softcap: float | None = None, dropout_p: float = 0.0, seed: Tensor | None = None,
+) -> Tensor:
+    """The fused attention over separate heads, with autograd: transformers' attention call.
+
+    q (B, H, Tq, hd), k and v (B, Hkv, Tk, hd) (Hkv dividing H, Tq <= Tk: query i at key position
+    Tk - Tq + i), key_mask (B, Tk) bool (True = a real key) or None -> (B, Tq, H, hd). scale (default
+    1 / sqrt(hd)), window (keys per query, its own included) and softcap as reference.attention.
+    dropout_p needs Tq = Tk; its keep decisions are those of attention() (seed drawn when None).
+    """
+    if dropout_p > 0 and seed is None:
+        seed = draw_seed()
+    out, _lse = _HeadsFunction.apply(q, k, v, key_mask, scale, window, softcap, dropout_p,
+                                     seed if dropout_p > 0 else None)
+    return out
+
+
 def _batch_first(x: Tensor, dim: int | None, size: int) -> Tensor:
     """x with its vmap dimension moved to the front (expanded there when x is not batched)."""
     return x.movedim(dim, 0) if dim is not None else x.expand(size, *x.shape)
