@@ -88,27 +88,40 @@ def logits_and_grads(model: torch.nn.Module, ids: Tensor, mask: Tensor, weights:
 
 
 class Spy:
-    """Counts calls of the engine's core and of the one-copy join; keeps the qkv the engine got."""
+    """Counts the engine's calls (the fused qkv entry, which GPT-2's c_attn buffer takes, and the
+    separate-heads entry) and the fallbacks, with their reasons; keeps the qkv buffers the engine got."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.engine_calls = 0
-        self.joins = 0
+        self.fused_calls = 0
+        self.heads_calls = 0
+        self.fallbacks: list[list[str]] = []
         self.qkvs: list[Tensor] = []
-        attention, join = _ops.attention, hf_attention.joined_qkv
+        attention, heads, fallback = _ops.attention, _ops.attention_heads, hf_attention._fallback
 
         @functools.wraps(attention)
         def counting_attention(qkv: Tensor, *args: object, **kwargs: object) -> Tensor:
-            self.engine_calls += 1
+            self.fused_calls += 1
             self.qkvs.append(qkv)
             return attention(qkv, *args, **kwargs)
 
-        @functools.wraps(join)
-        def counting_join(*args: Tensor) -> Tensor:
-            self.joins += 1
-            return join(*args)
+        @functools.wraps(heads)
+        def counting_heads(*args: object, **kwargs: object) -> Tensor:
+            self.heads_calls += 1
+            return heads(*args, **kwargs)
+
+        @functools.wraps(fallback)
+        def counting_fallback(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                              attention_mask: Tensor | None, **kwargs: object) -> object:
+            self.fallbacks.append(hf_attention.fallback_reasons(module, query, key, value, attention_mask, **kwargs))
+            return fallback(module, query, key, value, attention_mask, **kwargs)
 
         monkeypatch.setattr(_ops, "attention", counting_attention)
-        monkeypatch.setattr(hf_attention, "joined_qkv", counting_join)
+        monkeypatch.setattr(_ops, "attention_heads", counting_heads)
+        monkeypatch.setattr(hf_attention, "_fallback", counting_fallback)
+
+    @property
+    def engine_calls(self) -> int:
+        return self.fused_calls + self.heads_calls
 
 
 def assert_same(ours: tuple[Tensor, dict[str, Tensor]], theirs: tuple[Tensor, dict[str, Tensor]],
@@ -145,10 +158,10 @@ def test_gpt2_matches_transformers(dtype: torch.dtype, baseline: str, layout: st
     theirs = logits_and_grads(models[baseline], ids, mask, weights, use_cache=use_cache)
     spy = Spy(monkeypatch)
     ours = logits_and_grads(models[NAME], ids, mask, weights, use_cache=use_cache)
-    assert spy.engine_calls == 2  # one per layer
-    # Without a cache, q, k, v are views of c_attn's output: no copy. With one, transformers' cache
-    # hands back its own copies of k and v, so they are joined with q once per layer.
-    assert spy.joins == (2 if use_cache else 0)
+    assert spy.engine_calls == 2 and spy.fallbacks == []  # one per layer
+    # Without a cache, q, k, v are views of c_attn's output, read as that buffer. With one,
+    # transformers' cache hands back its own k and v: the separate-heads entry reads them in place.
+    assert spy.fused_calls == (0 if use_cache else 2)
     assert_same(ours, theirs, dtype)
 
 
@@ -163,19 +176,16 @@ def test_gpt2_engine_reads_c_attn_output_in_place(monkeypatch: pytest.MonkeyPatc
     assert qkv.data_ptr() == outputs[0].data_ptr() and qkv.shape == outputs[0].shape
 
 
-def test_fused_view_and_join_agree_with_gradients() -> None:
+def test_fused_view_is_the_buffer_with_its_gradient() -> None:
     B, H, hd = 2, 3, 4
     dim = H * hd
     fused = torch.randn(B, T, 3 * dim, dtype=torch.float64, requires_grad=True)
     q, k, v = (t.view(B, T, H, hd).transpose(1, 2) for t in fused.split(dim, 2))  # GPT-2's layout
     view = hf_attention.fused_view(q, k, v)
-    assert view is not None and view.data_ptr() == fused.data_ptr()
-    joined = hf_attention.joined_qkv(q, k, v)
-    assert torch.equal(view, joined) and joined.data_ptr() != fused.data_ptr()
+    assert view is not None and view.data_ptr() == fused.data_ptr() and torch.equal(view, fused)
     grad = torch.randn_like(fused)
     (g_view,) = torch.autograd.grad(view, fused, grad)
-    (g_join,) = torch.autograd.grad(joined, fused, grad)
-    assert torch.equal(g_view, grad) and torch.equal(g_join, grad)
+    assert torch.equal(g_view, grad)
     # Layouts that are not one [q | k | v] buffer: no view.
     assert hf_attention.fused_view(q.contiguous(), k, v) is None
     assert hf_attention.fused_view(k, q, v) is None
@@ -227,32 +237,33 @@ def llama_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("llama_in_float64")
 @pytest.mark.parametrize("layout", ["right", "left"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
-def test_llama_separate_projections_take_the_copy_path(dtype: torch.dtype, layout: str,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_llama_separate_projections_take_the_heads_path(dtype: torch.dtype, layout: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     models = twins(LlamaForCausalLM, llama_config(kv_heads=4), (NAME, "sdpa"), dtype)
     ids, mask = batch(layout)
     weights = torch.randn(int(mask.sum()), VOCAB, dtype=dtype)
     theirs = logits_and_grads(models["sdpa"], ids, mask, weights, use_cache=False)
     spy = Spy(monkeypatch)
     ours = logits_and_grads(models[NAME], ids, mask, weights, use_cache=False)
-    assert spy.engine_calls == 2 and spy.joins == 2  # q, k, v from three projections (k, q rotated)
+    assert spy.heads_calls == 2 and spy.fallbacks == []  # q, k, v from three projections (k, q rotated)
     assert_same(ours, theirs, dtype)
 
 
 @pytest.mark.usefixtures("llama_in_float64")
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "mqa"])
 @pytest.mark.parametrize("layout", ["right", "left"])
-def test_llama_gqa_falls_back_to_sdpa(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    models = twins(LlamaForCausalLM, llama_config(kv_heads=2), (NAME, "sdpa"), torch.float64)
+def test_llama_grouped_query_in_float64(layout: str, kv_heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    models = twins(LlamaForCausalLM, llama_config(kv_heads=kv_heads), (NAME, "sdpa"), torch.float64)
     ids, mask = batch(layout)
     weights = torch.randn(int(mask.sum()), VOCAB, dtype=torch.float64)
     theirs = logits_and_grads(models["sdpa"], ids, mask, weights, use_cache=False)
     spy = Spy(monkeypatch)
     ours = logits_and_grads(models[NAME], ids, mask, weights, use_cache=False)
-    assert spy.engine_calls == 0  # and sdpa got the (B, 1, T, T) mask rebuilt from the (B, T) one
+    assert spy.heads_calls == 2 and spy.fallbacks == []
     assert_same(ours, theirs, torch.float64)
 
 
-def test_layer_scaled_attention_falls_back_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_layer_scaled_attention_is_served(monkeypatch: pytest.MonkeyPatch) -> None:
     """scale_attn_by_inverse_layer_idx: the scale is not 1/sqrt(head_dim) past layer 0."""
     models = twins(GPT2LMHeadModel, gpt2_config(scale_attn_by_inverse_layer_idx=True), (NAME, "eager"), torch.float64)
     ids, mask = batch()
@@ -260,7 +271,7 @@ def test_layer_scaled_attention_falls_back_to_sdpa(monkeypatch: pytest.MonkeyPat
     theirs = logits_and_grads(models["eager"], ids, mask, weights, use_cache=False)
     spy = Spy(monkeypatch)
     ours = logits_and_grads(models[NAME], ids, mask, weights, use_cache=False)
-    assert spy.engine_calls == 1  # layer 0 only (scale / 1)
+    assert spy.fused_calls == 1 and spy.heads_calls == 1 and spy.fallbacks == []  # layer 1: scale / 2
     assert_same(ours, theirs, torch.float64)
 
 
@@ -300,51 +311,86 @@ def test_training_dropout_runs_in_the_engine(monkeypatch: pytest.MonkeyPatch) ->
 def test_fallback_reasons_name_the_cause() -> None:
     module = torch.nn.Module()
     q = torch.zeros(2, 4, 5, 8)
+    kv = torch.zeros(2, 2, 9, 8)
+    served = hf_attention.engine_mask(torch.ones(2, 7, dtype=torch.bool))
     assert hf_attention.fallback_reasons(module, q, q, q, None, scaling=8**-0.5) == []
-    kv = torch.zeros(2, 2, 5, 8)
-    assert "grouped-query" in " ".join(hf_attention.fallback_reasons(module, q, kv, kv, None))
-    past = torch.zeros(2, 4, 9, 8)
-    assert "key length 9" in " ".join(hf_attention.fallback_reasons(module, q, past, past, None))
-    assert "scaling 0.5" in " ".join(hf_attention.fallback_reasons(module, q, q, q, None, scaling=0.5))
-    assert "4-D attention mask" in " ".join(
-        hf_attention.fallback_reasons(module, q, q, q, torch.ones(2, 1, 5, 5, dtype=torch.bool)))
-    assert "must be bool" in " ".join(hf_attention.fallback_reasons(module, q, q, q, torch.ones(2, 5)))
+    assert hf_attention.fallback_reasons(module, q, kv, kv, served, scaling=0.3, softcap=50.0, sliding_window=4) == []
+    odd = torch.zeros(2, 3, 9, 8)
+    assert "3 key/value heads do not divide 4" in " ".join(hf_attention.fallback_reasons(module, q, odd, odd, None))
+    theirs = torch.ones(2, 1, 5, 9, dtype=torch.bool)
+    assert "the mask function did not serve" in " ".join(hf_attention.fallback_reasons(module, q, kv, kv, theirs))
+    short = hf_attention.engine_mask(torch.ones(2, 3, dtype=torch.bool))
+    assert "do not end the 3 keys" in " ".join(hf_attention.fallback_reasons(module, q, kv, kv, short))
+    assert "dropout with a past" in " ".join(hf_attention.fallback_reasons(module, q, kv, kv, None, dropout=0.1))
     assert "not causal" in " ".join(hf_attention.fallback_reasons(module, q, q, q, None, is_causal=False))
-    assert "output_attentions" in " ".join(hf_attention.fallback_reasons(module, q, q, q, None, output_attentions=True))
+    assert "sinks is set" in " ".join(hf_attention.fallback_reasons(module, q, q, q, None, sinks=torch.zeros(4)))
+    assert "mixed dtypes" in " ".join(hf_attention.fallback_reasons(module, q, kv.double(), kv, None))
 
 
-def test_mask_function_hands_on_the_key_padding_mask() -> None:
-    from transformers.masking_utils import causal_mask_function, sdpa_mask
+def test_mask_function_hands_on_the_keys_each_call_sees() -> None:
+    from transformers.masking_utils import causal_mask_function, sdpa_mask, sliding_window_causal_mask_function
+
+    def key_mask(result: Tensor | None) -> Tensor | None:
+        ours, keys = hf_attention.engine_key_mask(result)
+        assert ours
+        return keys
 
     mask = torch.tensor([[True, True, False], [True, True, True]])
-    assert hf_attention.key_padding_mask(2, 3, 3, attention_mask=mask) is mask
+    assert torch.equal(key_mask(hf_attention.key_padding_mask(2, 3, 3, attention_mask=mask)), mask)
     assert hf_attention.key_padding_mask(2, 3, 3, attention_mask=None) is None
-    # A past cache (decode): sdpa's own mask.
+    # A decode step against a dynamic cache: the padding of the past and the new token.
     decode = torch.tensor([[True, True, False, True], [True, True, True, True]])
-    ours = hf_attention.key_padding_mask(2, 1, 4, q_offset=3, attention_mask=decode, mask_function=causal_mask_function)
-    theirs = sdpa_mask(batch_size=2, q_length=1, kv_length=4, q_offset=3, attention_mask=decode)
-    assert ours is not None and ours.shape == (2, 1, 1, 4) and torch.equal(ours, theirs)
+    got = hf_attention.key_padding_mask(2, 1, 4, q_offset=3, attention_mask=decode, mask_function=causal_mask_function)
+    assert torch.equal(key_mask(got), decode)
+    # A static cache of 10 slots, 4 filled: its unfilled slots are left out (L = 4), also without padding.
+    static = hf_attention.key_padding_mask(2, 1, 10, q_offset=torch.tensor(3), attention_mask=decode)
+    assert torch.equal(key_mask(static), decode)
+    assert key_mask(hf_attention.key_padding_mask(2, 2, 10, q_offset=3, attention_mask=None)).shape == (2, 5)
+    # A sliding window served: the window is the attention call's (its sliding_window argument).
+    window = sliding_window_causal_mask_function(3)
+    assert hf_attention._window_of_mask_function(window) == (True, 3)
+    assert torch.equal(key_mask(hf_attention.key_padding_mask(2, 1, 4, q_offset=3, attention_mask=decode,
+                                                              mask_function=window)), decode)
+    # A pattern the engine does not compute (bidirectional): sdpa's own mask.
+    from transformers.masking_utils import bidirectional_mask_function
+
+    assert hf_attention._window_of_mask_function(bidirectional_mask_function) == (False, None)
+    ours = hf_attention.key_padding_mask(2, 1, 4, q_offset=3, attention_mask=decode,
+                                         mask_function=bidirectional_mask_function)
+    theirs = sdpa_mask(batch_size=2, q_length=1, kv_length=4, q_offset=3, attention_mask=decode,
+                       mask_function=bidirectional_mask_function)
+    assert ours is not None and ours.dtype == torch.bool and torch.equal(ours, theirs)
 
 
-@pytest.mark.parametrize("padding", ["none", "left"])
-def test_generate_matches_sdpa(padding: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Greedy generation with transformers' cache: prefill through the engine, decode through sdpa."""
+def test_generate_matches_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy generation with transformers' cache, left padded: the prefill and every decode step in
+    the engine."""
     models = twins(GPT2LMHeadModel, gpt2_config(), (NAME, "sdpa"), torch.float64)
     ids, _ = batch("all_real")
     mask = torch.ones_like(ids)
-    if padding == "left":
-        mask[1, :3] = 0
-        mask[3, :7] = 0
+    mask[1, :3] = 0
+    mask[3, :7] = 0
     options = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
     theirs = models["sdpa"].generate(ids, **options)
     spy = Spy(monkeypatch)
     ours = models[NAME].generate(ids, **options)
-    assert spy.engine_calls == 2  # the prefill, one per layer; the 7 decode steps fall back
+    assert spy.engine_calls == 2 * 8 and spy.fallbacks == []  # the prefill and 7 decode steps, 2 layers
     assert torch.equal(ours, theirs)
 
 
+def test_output_attentions_gives_eagers_weights() -> None:
+    models = twins(LlamaForCausalLM, llama_config(kv_heads=2), (NAME, "eager"), torch.float64)
+    ids, mask = batch("right")  # (left: eager's padded rows are NaN, and reach real rows through its P V)
+    ours = models[NAME](ids, attention_mask=mask, output_attentions=True).attentions
+    theirs = models["eager"](ids, attention_mask=mask, output_attentions=True).attentions
+    assert len(ours) == len(theirs) == 2
+    real = mask.bool()
+    for a, b in zip(ours, theirs):  # (B, H, T, T) at the real query rows
+        assert a.shape == b.shape and rel_err(a.transpose(1, 2)[real], b.transpose(1, 2)[real]) <= 1e-6
+
+
 def test_compiled_forward_matches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch.compile(fullgraph=True): the engine's op is traced; q, k, v are joined with a copy."""
+    """torch.compile(fullgraph=True): the engine's op is traced; q, k, v go to the separate-heads entry."""
     models = twins(GPT2LMHeadModel, gpt2_config(n_layer=1), (NAME, "sdpa"), torch.float32)
     ids, mask = batch()
     weights = torch.randn(int(mask.sum()), VOCAB)
@@ -353,7 +399,7 @@ def test_compiled_forward_matches(monkeypatch: pytest.MonkeyPatch) -> None:
     torch._dynamo.reset()
     compiled = torch.compile(models[NAME], fullgraph=True)
     ours = logits_and_grads(compiled, ids, mask, weights, use_cache=False)
-    assert spy.engine_calls == 1 and spy.joins == 1  # counted once, while tracing
+    assert spy.heads_calls == 1 and spy.fallbacks == []  # counted once, while tracing
     assert_same(ours, theirs, torch.float32)
 
 

@@ -2,22 +2,29 @@
 
     from causal_attention.integrations.huggingface import register
     name = register()                  # "causal_attention"
-    model = GPT2LMHeadModel(config)    # or any model that uses transformers' attention interface
+    model = LlamaForCausalLM(config)   # or any model that uses transformers' attention interface
     model.set_attn_implementation(name)      # or from_pretrained(..., attn_implementation=name)
 
 ``register`` adds two functions to transformers under one name:
 
-- a mask function (``AttentionMaskInterface``): where the engine can serve the call (no past
-  cache, plain causal attention, mask as long as the input) it hands on the (B, T) key padding
-  mask itself (bool, True = real token) or None, never a materialised (B, 1, T, T) mask;
-  everywhere else it returns exactly what transformers' ``sdpa_mask`` returns.
-- an attention function (``AttentionInterface``): it runs the engine's fused core when it can and
-  transformers' own ``sdpa_attention_forward`` (with the mask sdpa would have had) otherwise;
-  ``fallback_reasons`` says why a call falls back.
+- a mask function (``AttentionMaskInterface``): where the engine can serve the call (causal or
+  sliding-window causal attention, a 2-D padding mask or none) it returns the key padding mask itself,
+  an "engine mask": (B, 1, 1, L) uint8, 1 = a real key, L = the keys the last query sees (the past
+  and the new tokens: a static cache's unfilled slots are left out), or None when there is no padding
+  and every key is seen; never a materialised (B, 1, Tq, Tk) mask. It is 4-D so that transformers
+  hands it on as prepared (generate prepares a static cache's masks, then the model asks again), and
+  uint8 so that it is never taken for transformers' own bool masks. Everywhere else it returns what
+  transformers' ``sdpa_mask`` returns.
+- an attention function (``AttentionInterface``): it runs the engine's fused kernel on every call it
+  can serve: prefill and training, decode steps against dynamic and static caches, grouped-query and
+  multi-query heads (each key/value head read once for its group), any scale, sliding windows and
+  logit softcapping. It falls back (``fallback_reasons`` says why) to where transformers would go:
+  ``sdpa_attention_forward``, or the model's eager attention where sdpa cannot serve (softcap).
 
-GPT-2 makes q, k and v by splitting one ``c_attn`` output (B, T, 3 * dim): they arrive as strided
-views of one buffer, and the engine reads that buffer as it is (no copy). Separate projections
-(Llama's q_proj, k_proj, v_proj, or keys returned by a cache) are joined with one copy.
+Queries, keys and values are read where transformers left them: the engine takes any layout whose
+head rows are dense (a query transposed from (B, T, H, hd), a cache's (B, Hkv, max_len, hd) buffer
+cut to its filled length by a view), so no call copies them. GPT-2's q, k, v, split from one c_attn
+output, are read as that one buffer.
 
 Importing this module does not import transformers; ``register`` does.
 """
@@ -25,19 +32,41 @@ Importing this module does not import transformers; ``register`` does.
 from __future__ import annotations
 
 import math
-from typing import Any
+import sys
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from ..attention import _ops
+from ..attention import _ops, reference
 from ..attention.backends import unsupported_reasons
 
 DEFAULT_NAME = "causal_attention"
 
-# Keyword arguments of an attention call that change what attention computes: with any of them set
-# (not None, not False) the call falls back to sdpa (which raises or handles them as it does).
-_UNSERVED_KWARGS = ("softcap", "sliding_window", "position_bias", "s_aux", "sinks", "head_mask", "output_attentions")
+# Keyword arguments of an attention call that change what attention computes and that the engine does
+# not take: with any of them set (not None, not False) the call falls back. Attention sinks (s_aux,
+# sinks: gpt-oss) add a per-head logit to every row's softmax; no model of this project's scope uses them.
+_UNSERVED_KWARGS = ("position_bias", "s_aux", "sinks", "head_mask")
+
+
+def _window_of_mask_function(mask_function: Callable[..., Any]) -> tuple[bool, int | None]:
+    """(served, window): whether ``mask_function`` is transformers' causal mask (window None) or its
+    sliding-window causal mask (the window), the patterns the engine computes itself."""
+    from transformers.masking_utils import causal_mask_function
+
+    if mask_function is causal_mask_function:
+        return True, None
+    # sliding_window_causal_mask_function(W) = and_masks(sliding_window_overlay(W), causal_mask_function)
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask" or not mask_function.__closure__:
+        return False, None
+    parts = mask_function.__closure__[0].cell_contents
+    if not (isinstance(parts, tuple) and len(parts) == 2 and parts[1] is causal_mask_function):
+        return False, None
+    overlay = parts[0]
+    if getattr(overlay, "__qualname__", "") != "sliding_window_overlay.<locals>.inner_mask" or not overlay.__closure__:
+        return False, None
+    window = overlay.__closure__[0].cell_contents
+    return (True, window) if isinstance(window, int) else (False, None)
 
 
 def key_padding_mask(
@@ -52,30 +81,41 @@ def key_padding_mask(
 ) -> Tensor | None:
     """The mask function registered with transformers' ``AttentionMaskInterface``.
 
-    transformers calls it once per forward with the sizes of the attention (see
-    ``masking_utils.create_causal_mask``) and hands its result to every attention call.
+    transformers calls it once per forward (per layer type) with the sizes of the attention (see
+    ``masking_utils.create_causal_mask``) and hands its result to every attention call. Query i sits
+    at position q_offset + i, key j at kv_offset + j; ``attention_mask`` (B, >= kv_offset + kv_length)
+    marks real tokens by position.
 
-    - The engine's case: no past (``q_offset == kv_offset == 0``), ``q_length == kv_length`` = T,
-      the plain causal pattern (``mask_function`` is ``causal_mask_function``: no packed
-      sequences, no sliding window, no overlay) and ``attention_mask`` None or (B, T). Returns
-      that (B, T) bool mask (True = real token; transformers has already made it bool) or None.
+    - The engine's case (the causal or sliding-window causal pattern, ``attention_mask`` None or 2-D):
+      the last query sees keys 0..L-1 with L = q_offset + q_length - kv_offset. Returns
+      ``attention_mask``'s entries for those keys as an engine mask (B, 1, 1, L) uint8, or None when
+      there is no padding mask and L = kv_length. A static cache's q_offset is a tensor: read in eager code; under
+      torch.compile a single query's mask keeps all kv_length keys with those after the query
+      marked unreal (the same attention), and more queries take sdpa's mask.
     - Anything else: exactly what ``sdpa_mask`` returns for these arguments, a
-      (B, 1, q_length, kv_length) bool mask or None (then sdpa's ``is_causal`` serves).
+      (B, 1, q_length, kv_length) bool mask or None.
     """
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     if mask_function is None:
         mask_function = causal_mask_function
-    plain_causal = (
-        mask_function is causal_mask_function
-        and isinstance(q_offset, int)
-        and q_offset == 0
-        and kv_offset == 0
-        and q_length == kv_length
-        and (attention_mask is None or (attention_mask.ndim == 2 and attention_mask.shape == (batch_size, kv_length)))
-    )
-    if plain_causal:
-        return attention_mask
+    served, _window = _window_of_mask_function(mask_function)
+    if served and (attention_mask is None or attention_mask.ndim == 2):
+        if not isinstance(q_offset, Tensor) or not torch.compiler.is_compiling():
+            seen = int(q_offset) + q_length - kv_offset  # keys the last query sees
+            if 0 < seen <= kv_length:
+                if attention_mask is None:
+                    if seen == kv_length:
+                        return None
+                    return engine_mask(torch.ones(batch_size, seen, dtype=torch.bool, device=kwargs.get("device")))
+                return engine_mask(_padded(attention_mask, kv_offset + seen)[:, kv_offset:kv_offset + seen])
+        elif q_length == 1:
+            positions = torch.arange(kv_offset, kv_offset + kv_length, device=q_offset.device)
+            seen_keys = (positions <= q_offset).expand(batch_size, kv_length)  # (B, kv_length)
+            if attention_mask is None:
+                return engine_mask(seen_keys)
+            return engine_mask(_padded(attention_mask, kv_offset + kv_length)[:, kv_offset:kv_offset + kv_length]
+                               & seen_keys)
     return sdpa_mask(
         batch_size=batch_size,
         q_length=q_length,
@@ -86,6 +126,29 @@ def key_padding_mask(
         attention_mask=attention_mask,
         **kwargs,
     )
+
+
+def engine_mask(key_mask: Tensor) -> Tensor:
+    """A (B, L) bool key mask as the mask function hands it to the attention calls: (B, 1, 1, L) uint8,
+    a view of the same bytes."""
+    return key_mask.contiguous().view(torch.uint8)[:, None, None, :]
+
+
+def engine_key_mask(attention_mask: Tensor | None) -> tuple[bool, Tensor | None]:
+    """(is the engine's, key mask): for an engine mask (B, 1, 1, L) uint8, True and the (B, L) bool key
+    mask it holds (a view); for None, True and None; for anything else (transformers' own masks),
+    False and None."""
+    if attention_mask is None:
+        return True, None
+    if attention_mask.ndim == 4 and attention_mask.dtype == torch.uint8 and attention_mask.shape[1:3] == (1, 1):
+        return True, attention_mask[:, 0, 0, :].view(torch.bool)
+    return False, None
+
+
+def _padded(attention_mask: Tensor, length: int) -> Tensor:
+    """attention_mask (B, n) bool extended with False (no token) to at least length positions."""
+    missing = length - attention_mask.shape[-1]
+    return torch.nn.functional.pad(attention_mask, (0, missing)) if missing > 0 else attention_mask
 
 
 def fused_view(query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:
@@ -99,7 +162,7 @@ def fused_view(query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:
     buffer (and on to c_attn) in one piece.
 
     Under torch.compile it is None: Dynamo does not trace ``_base`` and storage offsets (each
-    read is a graph break), so compiled graphs take the copy of ``joined_qkv``.
+    read is a graph break), so compiled graphs read q, k, v as three tensors (attention_heads).
     """
     if torch.compiler.is_compiling():
         return None
@@ -123,13 +186,6 @@ def fused_view(query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:
     return base.view(B, T, 3 * dim)  # (B, T, 3 * dim): [q | k | v] per token, heads inside each
 
 
-def joined_qkv(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-    """query, key, value (each (B, H, T, hd)) joined into (B, T, 3 * dim) with one copy."""
-    B, H, T, hd = query.shape
-    qkv = torch.stack([t.transpose(1, 2) for t in (query, key, value)], dim=2)  # (B, T, 3, H, hd)
-    return qkv.view(B, T, 3 * H * hd)
-
-
 def fallback_reasons(
     module: torch.nn.Module,
     query: Tensor,
@@ -144,38 +200,50 @@ def fallback_reasons(
 ) -> list[str]:
     """Why the engine cannot serve this attention call (empty when it can).
 
-    query (B, H, Tq, hd), key and value (B, Hkv, Tk, hd), attention_mask as the mask function
-    left it: None, (B, T) bool (the engine's case) or (B, 1, Tq, Tk) (transformers' own).
+    query (B, H, Tq, hd), key and value (B, Hkv, Tk, hd), attention_mask as the mask function left
+    it: None, an engine mask (B, 1, 1, L) uint8 (the engine's case) or transformers' own.
     """
     reasons = unsupported_reasons("cpp", query)
     if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
         return reasons + [f"query, key, value must be 4-D; got {query.ndim}, {key.ndim}, {value.ndim}"]
     B, H, Tq, hd = query.shape
+    Hkv, Tk = key.shape[1], key.shape[2]
     if key.dtype != query.dtype or value.dtype != query.dtype:
         reasons.append(f"mixed dtypes: query {query.dtype}, key {key.dtype}, value {value.dtype}")
-    if key.shape[1] != H or value.shape[1] != H:
-        reasons.append(f"grouped-query attention: {H} query heads, {key.shape[1]} key/value heads")
-    if key.shape[2] != Tq:
-        reasons.append(f"query length {Tq} != key length {key.shape[2]} (decoding against a past cache)")
-    if key.shape[0] != B or value.shape[0] != B or value.shape[2] != key.shape[2]:
+    if key.device != query.device or value.device != query.device:
+        reasons.append(f"mixed devices: query {query.device}, key {key.device}, value {value.device}")
+    if key.shape[0] != B or value.shape != key.shape or key.shape[3] != hd:
         reasons.append(f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)} do not match")
-    if key.shape[3] != hd or value.shape[3] != hd:
-        reasons.append(f"head sizes differ: query {hd}, key {key.shape[3]}, value {value.shape[3]}")
+    elif Hkv == 0 or H % Hkv != 0:
+        reasons.append(f"{Hkv} key/value heads do not divide {H} query heads")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if not causal:
         reasons.append("not causal (is_causal=False)")
-    if scaling is not None and not math.isclose(scaling, hd**-0.5, rel_tol=1e-12):
-        reasons.append(f"scaling {scaling} is not 1/sqrt(head_dim) = {hd**-0.5}")
+    if scaling is not None and not (math.isfinite(scaling) and scaling > 0):
+        reasons.append(f"scaling {scaling} is not a positive finite number")
+    softcap = kwargs.get("softcap")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        reasons.append(f"softcap {softcap} is not a positive finite number")
+    window = kwargs.get("sliding_window")
+    if window is not None and not (isinstance(window, int) and window > 0):
+        reasons.append(f"sliding_window {window!r} is not a positive int")
     for name in _UNSERVED_KWARGS:
-        if kwargs.get(name) not in (None, False):
+        if kwargs.get(name) is not None and kwargs.get(name) is not False:
             reasons.append(f"{name} is set")
-    if attention_mask is not None:
-        if attention_mask.ndim != 2:
-            reasons.append(f"a {attention_mask.ndim}-D attention mask (only a (B, T) key padding mask is served)")
-        elif attention_mask.dtype != torch.bool or attention_mask.shape != (B, Tq):
-            reasons.append(
-                f"a 2-D attention mask must be bool (B, T) = {(B, Tq)}; got {attention_mask.dtype} {tuple(attention_mask.shape)}"
-            )
+    seen = Tk
+    ours, key_mask = engine_key_mask(attention_mask)
+    if not ours:
+        reasons.append(f"a {attention_mask.dtype} attention mask of shape {tuple(attention_mask.shape)} (transformers' "
+                       "own: the mask function did not serve this pattern)")
+    elif key_mask is not None:
+        if key_mask.shape[0] != B or key_mask.shape[1] > Tk:
+            reasons.append(f"the key mask must be (B, L) with L <= Tk = {Tk}; got {tuple(key_mask.shape)}")
+        else:
+            seen = key_mask.shape[1]
+    if seen < Tq:
+        reasons.append(f"the queries ({Tq}) do not end the {seen} keys they see")
+    if dropout > 0 and seen != Tq:
+        reasons.append(f"attention dropout with a past ({seen} keys, {Tq} queries)")
     return reasons
 
 
@@ -189,50 +257,85 @@ def causal_attention_forward(
     scaling: float | None = None,
     is_causal: bool | None = None,
     **kwargs: Any,
-) -> tuple[Tensor, None]:
+) -> tuple[Tensor, Tensor | None]:
     """The attention function registered with transformers' ``AttentionInterface``.
 
-    query (B, H, Tq, hd), key and value (B, Hkv, Tk, hd) -> ((B, Tq, H, hd), None), the layout of
-    transformers' ``sdpa_attention_forward`` (the caller joins the heads by a reshape); no weights.
-    Runs the engine where ``fallback_reasons`` is empty, else ``sdpa_attention_forward``.
+    query (B, H, Tq, hd), key and value (B, Hkv, Tk, hd) -> ((B, Tq, H, hd), weights), the layout of
+    transformers' ``sdpa_attention_forward`` (the caller joins the heads by a reshape); weights
+    (B, H, Tq, Tk) with ``output_attentions``, else None. Runs the engine where
+    ``fallback_reasons`` is empty; the mask's length L cuts the keys to those the queries see.
     """
     reasons = fallback_reasons(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
     )
     if reasons:
-        return _sdpa_fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                              is_causal=is_causal, **kwargs)
-    B, H, T, hd = query.shape
-    qkv = fused_view(query, key, value)
-    if qkv is None:
-        qkv = joined_qkv(query, key, value)  # (B, T, 3 * dim), one copy
-    # Attention dropout in the fused kernel (transformers passes dropout=0.0 in eval mode).
-    out = _ops.attention(qkv, attention_mask, H, dropout_p=float(dropout))  # (B, T, dim)
-    return out.view(B, T, H, hd), None  # (B, T, H, hd): heads as the engine wrote them, no copy
+        return _fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                         is_causal=is_causal, **kwargs)
+    B, H, Tq, hd = query.shape
+    _, key_mask = engine_key_mask(attention_mask)  # (B, L) bool or None
+    seen = key.shape[2] if key_mask is None else key_mask.shape[1]
+    key, value = key[:, :, :seen], value[:, :, :seen]  # views: a static cache's filled slots
+    window = kwargs.get("sliding_window")
+    window = window if window is not None and window < seen else None  # a window holding every key is none
+    softcap = kwargs.get("softcap")
+    plain = (key.shape[1] == H and Tq == seen and window is None and softcap is None
+             and (scaling is None or scaling == hd**-0.5))
+    qkv = fused_view(query, key, value) if plain else None
+    if qkv is not None:  # GPT-2: one c_attn buffer, read as it is
+        out = _ops.attention(qkv, key_mask, H, dropout_p=float(dropout)).view(B, Tq, H, hd)
+    else:
+        out = _ops.attention_heads(query, key, value, key_mask, scale=scaling, window=window, softcap=softcap,
+                                   dropout_p=float(dropout))  # (B, Tq, H, hd)
+    weights = None
+    if kwargs.get("output_attentions"):  # on request only: (B, H, Tq, seen), materialised
+        _, weights = reference.attention(query, key, value, key_mask=key_mask, scale=scaling, window=window,
+                                         softcap=softcap, return_weights=True)
+    return out, weights
 
 
-def _sdpa_fallback(
+def _dense_mask(attention_mask: Tensor | None, query: Tensor, key: Tensor, window: int | None) -> Tensor | None:
+    """An engine mask as transformers' (B, 1, Tq, Tk) bool mask (the keys past L unseen), with the causal
+    pattern and the window; transformers' own masks and None as they are."""
+    ours, key_mask = engine_key_mask(attention_mask)
+    if not ours or key_mask is None:
+        return attention_mask
+    Tq, Tk = query.shape[2], key.shape[2]
+    seen = key_mask.shape[1]
+    position = torch.arange(seen - Tq, seen, device=key.device)[:, None]  # (Tq, 1)
+    keys = torch.arange(Tk, device=key.device)[None, :]  # (1, Tk)
+    allowed = keys <= position
+    if window is not None:
+        allowed = allowed & (position - keys < window)
+    real = torch.nn.functional.pad(key_mask, (0, max(0, Tk - seen)))[:, None, None, :Tk]  # (B, 1, 1, Tk)
+    return allowed & real  # (B, 1, Tq, Tk)
+
+
+def _fallback(
     module: torch.nn.Module,
     query: Tensor,
     key: Tensor,
     value: Tensor,
     attention_mask: Tensor | None,
     **kwargs: Any,
-) -> tuple[Tensor, None]:
-    """transformers' sdpa_attention_forward, given the mask sdpa_mask would have made."""
+) -> tuple[Tensor, Tensor | None]:
+    """Where transformers itself would go: its sdpa_attention_forward, or where sdpa refuses the call
+    (a softcap) the model's own eager attention, given the mask either would have had."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import sdpa_mask
 
-    if attention_mask is not None and attention_mask.ndim == 2:
-        # Our mask function's (B, T) key padding mask: q_offset = kv_offset = 0 and Tq = Tk = T.
-        if attention_mask.dtype != torch.bool:
-            raise ValueError(
-                f"attention_mask: a 2-D mask must be a bool key padding mask (True = real token); got {attention_mask.dtype}"
-            )
-        B, T = attention_mask.shape
-        attention_mask = sdpa_mask(batch_size=B, q_length=T, kv_length=T, attention_mask=attention_mask,
-                                   device=attention_mask.device)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    mask = _dense_mask(attention_mask, query, key, kwargs.get("sliding_window"))
+    if kwargs.get("softcap") is None:
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(f"softcap is set and {type(module).__name__}'s module has no eager_attention_forward to fall "
+                         "back to (sdpa refuses softcap)")
+    if mask is not None and mask.dtype == torch.bool:  # eager adds its mask to the scores
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~mask, torch.finfo(query.dtype).min)
+    kwargs.setdefault("scaling", module.head_dim**-0.5 if hasattr(module, "head_dim") else query.shape[-1]**-0.5)
+    if kwargs["scaling"] is None:
+        kwargs["scaling"] = query.shape[-1] ** -0.5
+    return eager(module, query, key, value, mask, **kwargs)
 
 
 def register(name: str = DEFAULT_NAME) -> str:

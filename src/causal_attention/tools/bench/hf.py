@@ -141,9 +141,11 @@ def attention_rows(*, dtype: torch.dtype, repeats: int, quick: bool, progress: P
     sdpa_4d = sdpa_mask(batch_size=B, q_length=T, kv_length=T, attention_mask=padding)
     eager_4d = eager_mask(batch_size=B, q_length=T, kv_length=T, attention_mask=padding, dtype=dtype)
     scaling = hd**-0.5
+    ours_mask = huggingface.engine_mask(padding)  # what the engine's mask function hands every layer
     fns = {
-        "ours": lambda: huggingface.causal_attention_forward(module, q, k, v, padding, scaling=scaling),
-        "ours_copy": lambda: huggingface.causal_attention_forward(module, q, k_copy, v_copy, padding, scaling=scaling),
+        "ours": lambda: huggingface.causal_attention_forward(module, q, k, v, ours_mask, scaling=scaling),
+        "ours_copy": lambda: huggingface.causal_attention_forward(module, q, k_copy, v_copy, ours_mask,
+                                                                  scaling=scaling),
         "sdpa": lambda: sdpa_attention_forward(module, q, k, v, sdpa_4d, scaling=scaling),
         "eager": lambda: eager_attention_forward(module, q, k, v, eager_4d, scaling=scaling),
     }
@@ -151,7 +153,7 @@ def attention_rows(*, dtype: torch.dtype, repeats: int, quick: bool, progress: P
     times = _timed(fns, repeats, progress, f"attention {dt}")
     section = f"transformers + engine: attention (one layer) {dt} B={B} T={T} H={H} hd={hd}"
     rows = _rows(section, times, "ours", {"sdpa": "attention vs sdpa", "eager": "attention vs eager"})
-    rows += _rows(section, times, "ours_copy", {"sdpa": "attention, k/v copies (cache) vs sdpa"})
+    rows += _rows(section, times, "ours_copy", {"sdpa": "attention, separate k/v (cache) vs sdpa"})
     return rows
 
 
