@@ -32,6 +32,7 @@
 
 #include "blas.h"
 #include "config.h"
+#include "decode_heads.h"
 #include "causal_attention/attention.h"
 #include "philox.h"
 #include "schedule.h"
@@ -820,9 +821,12 @@ std::tuple<at::Tensor, at::Tensor> attention_heads_forward_cpu(
     return {out.to(at::kFloat), lse};
   }
   const auto drop = dropout_of(dropout_p, seed);
+  const auto rule = score_rule(hd, scale, window, softcap);
+  if (decodes_heads(q_in, k_in, v_in, window, softcap, dropout_p)) {  // a decode step: stream the past once
+    return decode_heads_cpu(q_in, k_in, v_in, mask_in, rule.scale, window);
+  }
   const auto q = heads_rows(q_in), k = heads_rows(k_in), v = heads_rows(v_in);
   const auto mask = contiguous_mask(mask_in);
-  const auto rule = score_rule(hd, scale, window, softcap);
   const auto g = geometry(B, Tq, Tk, H, Hkv, hd, rule.window, kBlockQ, kBlockK);
   const auto acc_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   auto out = at::empty({B, Tq, H, hd}, q.options());

@@ -409,7 +409,8 @@ def test_bench_transformers_quick(tmp_path: Path) -> None:
     report = bench_transformers.main(out_dir=tmp_path, repeats=1, bf16=False, quick=True)
     rows = report["rows"]
     assert {row["name"] for row in rows} >= {"prefill vs sdpa", "prefill vs eager", "forward vs SDPA(enable_gqa)",
-                                             "forward + backward vs SDPA(enable_gqa)"}
+                                             "forward + backward vs SDPA(enable_gqa)", "decode attention vs sdpa",
+                                             "decode attention vs torch.sum of its K/V bytes"}
     for row in rows:
         assert row["ours_ms"] > 0 and row["theirs_ms"] > 0
         assert row["ratio"] == pytest.approx(row["theirs_ms"] / row["ours_ms"])

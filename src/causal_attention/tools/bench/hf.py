@@ -21,6 +21,12 @@ Sections:
   the same q | k | v projection: H=32 query heads over Hkv=8, hd=64, B=4, T=1024 right-padded,
   forward and forward + backward (issue 34's target shape).
 
+- ``decode step``: one decode step's attention through the engine's transformers attention function,
+  against a DynamicCache (keys and values (B, Hkv, context, hd) as the cache holds them, a left-padded
+  batch), against ``sdpa_attention_forward`` with transformers' mask, and against one ``torch.sum`` over
+  the same key and value bytes (the row's "theirs" is the sum: the ratio is the fraction of a plain
+  read the step reaches): B=8, context 2048, H=32 over Hkv=8, hd=64.
+
 ``quick`` uses a tiny config and T=64 (a smoke test, not a measurement).
 """
 
@@ -198,6 +204,47 @@ def gqa_rows(*, dtype: torch.dtype, repeats: int, quick: bool, progress: Progres
             + _rows(section, times, "ours_train", {"sdpa_train": "forward + backward vs SDPA(enable_gqa)"}))
 
 
+DECODE_FULL = dict(B=8, context=2048, H=32, Hkv=8, hd=64)
+DECODE_QUICK = dict(B=2, context=64, H=4, Hkv=2, hd=16)
+
+
+def decode_rows(*, dtype: torch.dtype, repeats: int, quick: bool, progress: Progress) -> list[Row]:
+    """One decode step's attention against a DynamicCache: the engine, sdpa, and a plain read."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    shape = DECODE_QUICK if quick else DECODE_FULL
+    B, T, H, Hkv, hd = shape["B"], shape["context"], shape["H"], shape["Hkv"], shape["hd"]
+    module = torch.nn.Module()
+    module.is_causal = True
+    module.training = False
+    module.num_key_value_groups = H // Hkv  # what LlamaAttention says of itself (sdpa reads it)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(B, 1, H, hd, generator=generator).to(dtype).transpose(1, 2)  # (B, H, 1, hd), a view
+    k = torch.randn(B, Hkv, T, hd, generator=generator).to(dtype)  # as a DynamicCache holds them
+    v = torch.randn(B, Hkv, T, hd, generator=generator).to(dtype)
+    padding = torch.arange(T)[None, :] >= torch.linspace(0, T // 4, B).long()[:, None]  # left padding
+    ours_mask = huggingface.key_padding_mask(B, 1, T, q_offset=T - 1, attention_mask=padding)
+    theirs_mask = sdpa_mask(batch_size=B, q_length=1, kv_length=T, q_offset=T - 1, attention_mask=padding)
+    scaling = hd**-0.5
+    with torch.no_grad():
+        torch.testing.assert_close(huggingface.causal_attention_forward(module, q, k, v, ours_mask, scaling=scaling)[0],
+                                   sdpa_attention_forward(module, q, k, v, theirs_mask, scaling=scaling)[0],
+                                   rtol=0, atol=2e-2 if dtype != torch.float32 else 1e-5)
+    fns = {
+        "ours": lambda: huggingface.causal_attention_forward(module, q, k, v, ours_mask, scaling=scaling),
+        "sdpa": lambda: sdpa_attention_forward(module, q, k, v, theirs_mask, scaling=scaling),
+        "read": lambda: (k.sum(), v.sum()),
+    }
+    dt = str(dtype).replace("torch.", "")
+    with torch.no_grad():
+        times = _timed(fns, repeats, progress, f"decode step {dt}")
+    section = (f"decode step {dt} B={B} context={T} H={H} Hkv={Hkv} hd={hd} "
+               f"({torch.ops.causal_attention.cpu_capability()})")
+    return _rows(section, times, "ours", {"sdpa": "decode attention vs sdpa",
+                                         "read": "decode attention vs torch.sum of its K/V bytes"})
+
+
 def main(*, out_dir: Path, repeats: int, bf16: bool, quick: bool, gpt: bool = True) -> dict:
     """Times the rows (float32; bfloat16 too when bf16): the project's GPT against GPT2LMHeadModel on
     the same weights (gpt2.py; bfloat16 at reduced sizes) when gpt, then the engine inside
@@ -228,6 +275,7 @@ def main(*, out_dir: Path, repeats: int, bf16: bool, quick: bool, gpt: bool = Tr
             rows += prefill_rows(dtype=torch.float32, repeats=repeats, quick=quick, progress=progress)[0]
             rows += attention_rows(dtype=torch.float32, repeats=repeats, quick=quick, progress=progress)
             rows += gqa_rows(dtype=torch.float32, repeats=repeats, quick=quick, progress=progress)
+            rows += decode_rows(dtype=torch.float32, repeats=repeats, quick=quick, progress=progress)
             if bf16:
                 bf16_rows, why = prefill_rows(dtype=torch.bfloat16, repeats=repeats, quick=quick, progress=progress,
                                               budget_s=BF16_BUDGET_S)
@@ -236,6 +284,7 @@ def main(*, out_dir: Path, repeats: int, bf16: bool, quick: bool, gpt: bool = Tr
                     skipped.append(why)
                 rows += attention_rows(dtype=torch.bfloat16, repeats=repeats, quick=quick, progress=progress)
                 rows += gqa_rows(dtype=torch.bfloat16, repeats=repeats, quick=quick, progress=progress)
+                rows += decode_rows(dtype=torch.bfloat16, repeats=repeats, quick=quick, progress=progress)
     finally:
         torch.set_num_threads(threads)
         hf_logging.set_verbosity(verbosity)
