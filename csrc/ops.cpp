@@ -1,6 +1,6 @@
 // Registers the engine's operators with the dispatcher: torch.ops.causal_attention.*
 //
-//   attention(qkv, key_padding_mask, n_heads, dropout_p=0, seed=None) -> out      differentiable, any device
+//   attention(qkv, key_padding_mask, n_heads, dropout_p=0, seed=None, n_kv_heads=None) -> out   differentiable
 //   attention_forward(qkv, key_padding_mask, n_heads, dropout_p=0, seed=None, n_kv_heads=None) -> (out, lse)
 //   attention_backward(grad_out, qkv, key_padding_mask, out, lse, n_heads, dropout_p=0, seed=None,
 //                      n_kv_heads=None) -> grad_qkv       the fused CPU kernel; n_kv_heads: grouped-query
@@ -9,10 +9,10 @@
 //   attention_heads_backward(grad_out, q, k, v, key_mask, out, lse, scale, window, softcap, dropout_p, seed)
 //                      -> (grad_q, grad_k, grad_v)
 //   dropout_keep_mask(seed, B, H, T, dropout_p) -> keep (B, H, T, T) bool   the kernels' dropout decisions
-//   kv_cache_write(qkv, k_cache!, v_cache!, start, end, n_heads)    generation: static KV cache
-//   decode_attention(qkv, k_cache, v_cache, start, end, n_heads) -> out
+//   kv_cache_write(qkv, k_cache!, v_cache!, start, end, n_heads, n_kv_heads=None)   generation: static KV cache
+//   decode_attention(qkv, k_cache, v_cache, start, end, n_heads, n_kv_heads=None) -> out
 //   decode_layer(x, qkv_weight, qkv_bias, proj_weight, proj_bias, k_cache!, v_cache!, lengths!, key_padding_mask,
-//                n_heads) -> out      a whole decode step of the layer: cache_end, the ops above and below, fused
+//                n_heads, n_kv_heads=None) -> out      a whole decode step: cache_end, the ops above and below, fused
 //   few_rows_linear(x, weight, bias) -> y                              a decode step's linear layers
 //   mask_to_bool(key_padding_mask) -> mask                              checks an integer mask's values
 //   cache_end(lengths, key_padding_mask, new_tokens, max_len) -> end    checks a cache step
@@ -41,24 +41,25 @@ namespace {
 using OptionalTensor = std::optional<at::Tensor>;
 
 std::tuple<at::Tensor, at::Tensor> call_forward(const at::Tensor& qkv, const OptionalTensor& mask, int64_t n_heads,
-                                                double dropout_p, const OptionalTensor& seed) {
+                                                double dropout_p, const OptionalTensor& seed,
+                                                std::optional<int64_t> n_kv_heads) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("causal_attention::attention_forward", "")
           .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptionalTensor&, int64_t, double,
                                                     const OptionalTensor&, std::optional<int64_t>)>();
-  return op.call(qkv, mask, n_heads, dropout_p, seed, std::nullopt);
+  return op.call(qkv, mask, n_heads, dropout_p, seed, n_kv_heads);
 }
 
 at::Tensor call_backward(const at::Tensor& grad_out, const at::Tensor& qkv, const OptionalTensor& mask,
                          const at::Tensor& out, const at::Tensor& lse, int64_t n_heads, double dropout_p,
-                         const OptionalTensor& seed) {
+                         const OptionalTensor& seed, std::optional<int64_t> n_kv_heads) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("causal_attention::attention_backward", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const at::Tensor&,
                             const at::Tensor&, int64_t, double, const OptionalTensor&, std::optional<int64_t>)>();
-  return op.call(grad_out, qkv, mask, out, lse, n_heads, dropout_p, seed, std::nullopt);
+  return op.call(grad_out, qkv, mask, out, lse, n_heads, dropout_p, seed, n_kv_heads);
 }
 
 // The seed of a call with dropout: the given one, or a fresh one from the default CPU generator.
@@ -73,11 +74,13 @@ OptionalTensor seed_for(double dropout_p, const OptionalTensor& seed) {
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv, const OptionalTensor& mask,
-                            int64_t n_heads, double dropout_p, const OptionalTensor& seed) {
+                            int64_t n_heads, double dropout_p, const OptionalTensor& seed,
+                            std::optional<int64_t> n_kv_heads) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse] = call_forward(qkv, mask, n_heads, dropout_p, seed);
+    auto [out, lse] = call_forward(qkv, mask, n_heads, dropout_p, seed, n_kv_heads);
     ctx->save_for_backward({qkv, out, lse, mask.value_or(at::Tensor()), seed.value_or(at::Tensor())});
     ctx->saved_data["n_heads"] = n_heads;
+    ctx->saved_data["n_kv_heads"] = n_kv_heads.value_or(n_heads);
     ctx->saved_data["dropout_p"] = dropout_p;
     return out;
   }
@@ -88,6 +91,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const OptionalTensor mask = saved[3].defined() ? OptionalTensor(saved[3]) : std::nullopt;
     const OptionalTensor seed = saved[4].defined() ? OptionalTensor(saved[4]) : std::nullopt;
     const int64_t n_heads = ctx->saved_data["n_heads"].toInt();
+    const int64_t n_kv_heads = ctx->saved_data["n_kv_heads"].toInt();
     const double dropout_p = ctx->saved_data["dropout_p"].toDouble();
     if (at::GradMode::is_enabled()) {
       // create_graph (double backward, gradient penalties): the fused backward has no derivative
@@ -98,30 +102,31 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       if (dropout_p > 0) {
         keep = dropout_keep_mask(*seed, qkv.size(0), n_heads, qkv.size(1), dropout_p);
       }
-      const auto out = kernels::attention_math(qkv, mask, n_heads, dropout_p, keep);
+      const auto out = kernels::attention_math(qkv, mask, n_heads, dropout_p, keep, n_kv_heads);
       const auto grad_qkv = torch::autograd::grad({out}, {qkv}, {grads[0]}, /*retain_graph=*/true,
                                                   /*create_graph=*/true);
-      return {grad_qkv[0], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+      return {grad_qkv[0], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
-    const auto grad_qkv = call_backward(grads[0], saved[0], mask, saved[1], saved[2], n_heads, dropout_p, seed);
-    return {grad_qkv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const auto grad_qkv = call_backward(grads[0], saved[0], mask, saved[1], saved[2], n_heads, dropout_p, seed,
+                                        n_kv_heads);
+    return {grad_qkv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor attention_autograd(const at::Tensor& qkv, const OptionalTensor& mask, int64_t n_heads, double dropout_p,
-                              const OptionalTensor& seed) {
+                              const OptionalTensor& seed, std::optional<int64_t> n_kv_heads) {
   if (qkv.device().is_cpu()) {
-    return AttentionFunction::apply(qkv, mask, n_heads, dropout_p, seed_for(dropout_p, seed));
+    return AttentionFunction::apply(qkv, mask, n_heads, dropout_p, seed_for(dropout_p, seed), n_kv_heads);
   }
-  return kernels::attention_composite(qkv, mask, n_heads, dropout_p);  // differentiated by ATen
+  return kernels::attention_composite(qkv, mask, n_heads, dropout_p, n_kv_heads);  // differentiated by ATen
 }
 
 at::Tensor attention_no_autograd(const at::Tensor& qkv, const OptionalTensor& mask, int64_t n_heads, double dropout_p,
-                                 const OptionalTensor& seed) {
+                                 const OptionalTensor& seed, std::optional<int64_t> n_kv_heads) {
   if (qkv.device().is_cpu()) {
-    return std::get<0>(call_forward(qkv, mask, n_heads, dropout_p, seed_for(dropout_p, seed)));
+    return std::get<0>(call_forward(qkv, mask, n_heads, dropout_p, seed_for(dropout_p, seed), n_kv_heads));
   }
-  return kernels::attention_composite(qkv, mask, n_heads, dropout_p);
+  return kernels::attention_composite(qkv, mask, n_heads, dropout_p, n_kv_heads);
 }
 
 // Meta kernels: output shapes and dtypes only, with symbolic sizes (torch.compile, torch.export).
@@ -130,10 +135,16 @@ at::Tensor heads_like(const at::Tensor& qkv) {  // (B, T, 3 * dim) -> empty (B, 
 }
 
 at::Tensor attention_meta(const at::Tensor& qkv, const OptionalTensor& /*mask*/, int64_t n_heads, double dropout_p,
-                          const OptionalTensor& /*seed*/) {
+                          const OptionalTensor& /*seed*/, std::optional<int64_t> n_kv_heads) {
   TORCH_CHECK_VALUE(n_heads > 0 && qkv.dim() == 3, "qkv must be 3-D (B, T, 3 * dim) and n_heads positive");
   check_dropout(dropout_p);
-  return heads_like(qkv);
+  if (!n_kv_heads.has_value()) {
+    return heads_like(qkv);
+  }
+  TORCH_CHECK_VALUE(*n_kv_heads > 0 && n_heads % *n_kv_heads == 0, "n_kv_heads must be positive and divide n_heads (",
+                    n_heads, "); got ", *n_kv_heads);
+  const auto head_dim = qkv.sym_size(2) / (n_heads + 2 * *n_kv_heads);
+  return at::empty_symint({qkv.sym_size(0), qkv.sym_size(1), head_dim * n_heads}, qkv.options());
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_meta(const at::Tensor& qkv, const OptionalTensor& mask,
@@ -144,7 +155,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_meta(const at::Tensor& qkv,
                     "qkv must be 3-D (B, T, (n_heads + 2 * n_kv_heads) * head_dim), n_heads positive and n_kv_heads "
                     "a positive divisor of it");
   if (n_kv_heads == n_heads) {
-    attention_meta(qkv, mask, n_heads, dropout_p, seed);  // the same checks as the op
+    attention_meta(qkv, mask, n_heads, dropout_p, seed, std::nullopt);  // the same checks as the op
   }
   check_dropout(dropout_p);
   const int64_t head_dim = qkv.sym_size(2).guard_int(__FILE__, __LINE__) / (n_heads + 2 * n_kv_heads);
@@ -214,16 +225,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_heads_backward_meta(
 
 
 void kv_cache_write_meta(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                         const at::Tensor& start, const at::Tensor& end, int64_t /*n_heads*/) {
+                         const at::Tensor& start, const at::Tensor& end, int64_t /*n_heads*/,
+                         std::optional<int64_t> /*n_kv_heads*/) {
   check_one_device("kv_cache_write", "qkv", qkv,
                    {{"k_cache", &k_cache}, {"v_cache", &v_cache}, {"start", &start}, {"end", &end}});
 }
 
 at::Tensor decode_attention_meta(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                 const at::Tensor& start, const at::Tensor& end, int64_t /*n_heads*/) {
+                                 const at::Tensor& start, const at::Tensor& end, int64_t n_heads,
+                                 std::optional<int64_t> n_kv_heads) {
   check_one_device("decode_attention", "qkv", qkv,
                    {{"k_cache", &k_cache}, {"v_cache", &v_cache}, {"start", &start}, {"end", &end}});
-  return heads_like(qkv);
+  if (!n_kv_heads.has_value()) {
+    return heads_like(qkv);
+  }
+  TORCH_CHECK_VALUE(n_heads > 0 && *n_kv_heads > 0 && qkv.dim() == 3,
+                    "decode_attention: qkv must be 3-D and n_heads, n_kv_heads positive");
+  const auto head_dim = qkv.sym_size(2) / (n_heads + 2 * *n_kv_heads);
+  return at::empty_symint({qkv.sym_size(0), qkv.sym_size(1), head_dim * n_heads}, qkv.options());
 }
 
 at::Tensor few_rows_linear_meta(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias) {
@@ -237,7 +256,8 @@ at::Tensor few_rows_linear_meta(const at::Tensor& x, const at::Tensor& weight, c
 at::Tensor decode_layer_meta(const at::Tensor& x, const at::Tensor& qkv_weight, const OptionalTensor& qkv_bias,
                              const at::Tensor& proj_weight, const OptionalTensor& proj_bias, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& lengths,
-                             const OptionalTensor& key_padding_mask, int64_t /*n_heads*/) {
+                             const OptionalTensor& key_padding_mask, int64_t /*n_heads*/,
+                             std::optional<int64_t> /*n_kv_heads*/) {
   check_one_device("decode_layer", "x", x,
                    {{"qkv_weight", &qkv_weight}, {"qkv_bias", maybe(qkv_bias)}, {"proj_weight", &proj_weight},
                     {"proj_bias", maybe(proj_bias)}, {"k_cache", &k_cache}, {"v_cache", &v_cache},
@@ -259,8 +279,8 @@ at::Tensor cache_end_meta(const at::Tensor& lengths, const OptionalTensor& mask,
 
 TORCH_LIBRARY(causal_attention, m) {
   m.def(
-      "attention(Tensor qkv, Tensor? key_padding_mask, int n_heads, float dropout_p=0., Tensor? seed=None) -> "
-      "Tensor");
+      "attention(Tensor qkv, Tensor? key_padding_mask, int n_heads, float dropout_p=0., Tensor? seed=None, "
+      "int? n_kv_heads=None) -> Tensor");
   m.def(
       "attention_forward(Tensor qkv, Tensor? key_padding_mask, int n_heads, float dropout_p=0., "
       "Tensor? seed=None, int? n_kv_heads=None) -> (Tensor out, Tensor lse)");
@@ -277,15 +297,15 @@ TORCH_LIBRARY(causal_attention, m) {
   m.def("dropout_keep_mask(Tensor seed, int B, int H, int T, float dropout_p) -> Tensor");
   m.def("cpu_capability() -> str");
   m.def(
-      "kv_cache_write(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, Tensor end, int n_heads) -> "
-      "()");
+      "kv_cache_write(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, Tensor end, int n_heads, "
+      "int? n_kv_heads=None) -> ()");
   m.def(
-      "decode_attention(Tensor qkv, Tensor k_cache, Tensor v_cache, Tensor start, Tensor end, int n_heads) -> "
-      "Tensor");
+      "decode_attention(Tensor qkv, Tensor k_cache, Tensor v_cache, Tensor start, Tensor end, int n_heads, "
+      "int? n_kv_heads=None) -> Tensor");
   m.def(
       "decode_layer(Tensor x, Tensor qkv_weight, Tensor? qkv_bias, Tensor proj_weight, Tensor? proj_bias, "
-      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) lengths, Tensor? key_padding_mask, int n_heads) -> "
-      "Tensor");
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) lengths, Tensor? key_padding_mask, int n_heads, "
+      "int? n_kv_heads=None) -> Tensor");
   m.def("mask_to_bool(Tensor key_padding_mask) -> Tensor");
   m.def("cache_end(Tensor lengths, Tensor? key_padding_mask, int new_tokens, int max_len) -> Tensor");
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
@@ -349,13 +369,13 @@ TORCH_LIBRARY_IMPL(causal_attention, CatchAll, m) {
 const char* kernels::cpu_capability() { return tile::tile_ops_capability(); }
 
 at::Tensor attention(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask, int64_t n_heads,
-                     double dropout_p, const std::optional<at::Tensor>& seed) {
+                     double dropout_p, const std::optional<at::Tensor>& seed, std::optional<int64_t> n_kv_heads) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("causal_attention::attention", "")
           .typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, int64_t, double,
-                            const std::optional<at::Tensor>&)>();
-  return op.call(qkv, key_padding_mask, n_heads, dropout_p, seed);
+                            const std::optional<at::Tensor>&, std::optional<int64_t>)>();
+  return op.call(qkv, key_padding_mask, n_heads, dropout_p, seed, n_kv_heads);
 }
 
 at::Tensor dropout_keep_mask(const at::Tensor& seed, int64_t B, int64_t H, int64_t T, double dropout_p) {

@@ -8,27 +8,30 @@
 namespace causal_attention::kernels {
 
 namespace {
-// qkv (B, T, 3 * dim) -> q, k, v, each (B, H, T, hd), by views.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> split_heads(const at::Tensor& qkv, int64_t n_heads) {
-  check_qkv(qkv, n_heads);
-  const int64_t hd = qkv.size(2) / 3 / n_heads;
-  const auto parts = qkv.unflatten(2, {3, n_heads, hd});  // (B, T, 3, H, hd)
-  return {parts.select(2, 0).transpose(1, 2), parts.select(2, 1).transpose(1, 2), parts.select(2, 2).transpose(1, 2)};
+// qkv (B, T, (H + 2 Hkv) * hd) -> q (B, H, T, hd), k and v (B, Hkv, T, hd), by views.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> split_heads(const at::Tensor& qkv, int64_t n_heads, int64_t n_kv_heads) {
+  check_qkv(qkv, n_heads, n_kv_heads);
+  const int64_t hd = qkv.size(2) / (n_heads + 2 * n_kv_heads);
+  const auto parts = qkv.split({n_heads * hd, n_kv_heads * hd, n_kv_heads * hd}, 2);
+  return {parts[0].unflatten(2, {n_heads, hd}).transpose(1, 2), parts[1].unflatten(2, {n_kv_heads, hd}).transpose(1, 2),
+          parts[2].unflatten(2, {n_kv_heads, hd}).transpose(1, 2)};
 }
 }  // namespace
 
 at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
-                               int64_t n_heads, double dropout_p) {
+                               int64_t n_heads, double dropout_p, std::optional<int64_t> n_kv_heads_in) {
   check_dropout(dropout_p);
-  const auto [q, k, v] = split_heads(qkv, n_heads);  // each (B, H, T, hd)
+  const int64_t n_kv_heads = n_kv_heads_in.value_or(n_heads);
+  const auto [q, k, v] = split_heads(qkv, n_heads, n_kv_heads);  // (B, H, T, hd), (B, Hkv, T, hd) twice
   const int64_t B = qkv.size(0);
   const int64_t T = qkv.size(1);
-  const int64_t dim = qkv.size(2) / 3;
+  const int64_t dim = q.size(1) * q.size(3);
+  const bool gqa = n_kv_heads != n_heads;
 
   at::Tensor out;  // (B, H, T, hd)
   if (!key_padding_mask.has_value()) {
     out = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/std::nullopt, dropout_p,
-                                           /*is_causal=*/true);
+                                           /*is_causal=*/true, /*scale=*/std::nullopt, gqa);
   } else {
     const auto& mask = *key_padding_mask;  // (B, T) bool, True = real
     TORCH_CHECK_VALUE(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == B &&
@@ -42,7 +45,7 @@ at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Te
     const auto has_key = mask.cumsum(1, at::kInt).gt(0);              // (B, T)
     // A row with no allowed key would be all -inf (NaN): let it see its own key, then zero it.
     allowed = allowed.logical_or(has_key.logical_not().unsqueeze(2).logical_and(at::eye(T, opts)));
-    out = at::scaled_dot_product_attention(q, k, v, allowed.unsqueeze(1), dropout_p, false);
+    out = at::scaled_dot_product_attention(q, k, v, allowed.unsqueeze(1), dropout_p, false, std::nullopt, gqa);
     out = out.masked_fill(has_key.logical_not().view({B, 1, T, 1}), 0);
   }
   return out.transpose(1, 2).reshape({B, T, dim});  // (B, T, H, hd) -> (B, T, dim)
@@ -53,13 +56,19 @@ at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Te
 namespace causal_attention::kernels {
 
 at::Tensor attention_math(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask, int64_t n_heads,
-                          double dropout_p, const std::optional<at::Tensor>& keep) {
+                          double dropout_p, const std::optional<at::Tensor>& keep,
+                          std::optional<int64_t> n_kv_heads_in) {
   check_dropout(dropout_p);
-  const auto [q, k, v] = split_heads(qkv, n_heads);  // each (B, H, T, hd)
+  const int64_t n_kv_heads = n_kv_heads_in.value_or(n_heads);
+  auto [q, k, v] = split_heads(qkv, n_heads, n_kv_heads);
+  if (n_kv_heads != n_heads) {  // each query head's own copy of its group's key/value head: (B, H, T, hd)
+    k = k.repeat_interleave(n_heads / n_kv_heads, 1);
+    v = v.repeat_interleave(n_heads / n_kv_heads, 1);
+  }
   const int64_t B = qkv.size(0);
   const int64_t T = qkv.size(1);
-  const int64_t dim = qkv.size(2) / 3;
-  const int64_t hd = dim / n_heads;
+  const int64_t hd = q.size(3);
+  const int64_t dim = n_heads * hd;
   auto allowed = at::ones({T, T}, qkv.options().dtype(at::kBool)).tril().view({1, 1, T, T});
   if (key_padding_mask.has_value()) {
     allowed = allowed.logical_and(key_padding_mask->view({B, 1, 1, T}));  // (B, 1, T, T)

@@ -40,14 +40,14 @@ constexpr int64_t kLine = 64;  // bytes per cache line
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
 void check_cache(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const at::Tensor& start, const at::Tensor& end, int64_t n_heads) {
-  check_qkv(qkv, n_heads);
+                 const at::Tensor& start, const at::Tensor& end, int64_t n_heads, int64_t n_kv_heads) {
+  check_qkv(qkv, n_heads, n_kv_heads);
   const int64_t B = qkv.size(0);
-  const int64_t hd = qkv.size(2) / 3 / n_heads;
-  TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == n_heads &&
+  const int64_t hd = qkv.size(2) / (n_heads + 2 * n_kv_heads);
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == n_kv_heads &&
                         k_cache.size(3) == hd,
-                    "k_cache must have shape (B, H, max_len, head_dim) = (", B, ", ", n_heads, ", max_len, ", hd,
-                    "); got ", k_cache.sizes());
+                    "k_cache must have shape (B, n_kv_heads, max_len, head_dim) = (", B, ", ", n_kv_heads,
+                    ", max_len, ", hd, "); got ", k_cache.sizes());
   TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "v_cache must have the shape of k_cache ", k_cache.sizes(),
                     "; got ", v_cache.sizes());
   TORCH_CHECK_TYPE(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
@@ -66,13 +66,13 @@ void check_cache(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Ten
   TORCH_CHECK_VALUE(end.device() == qkv.device(), "cache ends must be on the input's device (", qkv.device(), ")");
 }
 
-// Writes the keys and values of the real new tokens of a contiguous qkv (B, t, 3 * dim) into the
-// cache, one (batch, head) at a time.
+// Writes the keys and values of the real new tokens of a contiguous qkv (B, t, (H + 2 Hkv) * hd) into
+// the cache (B, Hkv, max_len, hd), one (batch, key/value head) at a time.
 template <typename scalar_t>
 class CacheRows {
  public:
   CacheRows(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* start,
-            const int64_t* end, int64_t n_heads)
+            const int64_t* end, int64_t n_heads, int64_t n_kv_heads)
       : src_(qkv.const_data_ptr<scalar_t>()),
         k_(k_cache.data_ptr<scalar_t>()),
         v_(v_cache.data_ptr<scalar_t>()),
@@ -80,9 +80,10 @@ class CacheRows {
         end_(end),
         B_(qkv.size(0)),
         t_(qkv.size(1)),
-        dim_(qkv.size(2) / 3),
-        H_(n_heads),
-        hd_(dim_ / n_heads),
+        width_(qkv.size(2)),
+        H_(n_kv_heads),
+        hd_(width_ / (n_heads + 2 * n_kv_heads)),
+        dim_(n_heads * hd_),
         max_len_(k_cache.size(2)) {}
 
   // Every sequence's new tokens of every head (write(b, h) for each, in parallel).
@@ -97,10 +98,11 @@ class CacheRows {
   // Sequence b's new tokens start[b] .. end[b] - 1 (the real ones only) of head h.
   void write(int64_t b, int64_t h) const {
     for (int64_t i = 0; i < end_[b] - start_[b]; ++i) {
-      const scalar_t* row = src_ + (b * t_ + i) * 3 * dim_;
+      const scalar_t* row = src_ + (b * t_ + i) * width_;
       const int64_t pos = ((b * H_ + h) * max_len_ + start_[b] + i) * hd_;
-      std::copy(row + dim_ + h * hd_, row + dim_ + (h + 1) * hd_, k_ + pos);
-      std::copy(row + 2 * dim_ + h * hd_, row + 2 * dim_ + (h + 1) * hd_, v_ + pos);
+      const scalar_t* k = row + dim_ + h * hd_;  // key/value head h of the row's k | v parts
+      std::copy(k, k + hd_, k_ + pos);
+      std::copy(k + H_ * hd_, k + H_ * hd_ + hd_, v_ + pos);
     }
   }
 
@@ -110,14 +112,16 @@ class CacheRows {
   scalar_t* v_;
   const int64_t* start_;
   const int64_t* end_;
-  const int64_t B_, t_, dim_, H_, hd_, max_len_;
+  const int64_t B_, t_, width_, H_, hd_, dim_, max_len_;  // H_: key/value heads; dim_: q's part of a row
 };
 
 }  // namespace
 
 void kv_cache_write_cpu(const at::Tensor& qkv_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& start_in, const at::Tensor& end_in, int64_t n_heads) {
-  check_cache(qkv_in, k_cache, v_cache, start_in, end_in, n_heads);
+                        const at::Tensor& start_in, const at::Tensor& end_in, int64_t n_heads,
+                        std::optional<int64_t> n_kv_heads_in) {
+  const int64_t n_kv_heads = n_kv_heads_in.value_or(n_heads);
+  check_cache(qkv_in, k_cache, v_cache, start_in, end_in, n_heads, n_kv_heads);
   const auto qkv = qkv_in.contiguous();
   const auto start = start_in.contiguous();
   const auto end = end_in.contiguous();
@@ -126,7 +130,7 @@ void kv_cache_write_cpu(const at::Tensor& qkv_in, const at::Tensor& k_cache, con
   const int64_t* start_ptr = start.data_ptr<int64_t>();
   const int64_t* end_ptr = end.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "kv_cache_write", [&] {
-    CacheRows<scalar_t>(qkv, k_cache, v_cache, start_ptr, end_ptr, n_heads).write_all();
+    CacheRows<scalar_t>(qkv, k_cache, v_cache, start_ptr, end_ptr, n_heads, n_kv_heads).write_all();
   });
 }
 
@@ -159,12 +163,13 @@ class DecodePass {
 
   // out: (B, t, dim), written by run().
   DecodePass(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* start,
-             const int64_t* end, int64_t n_heads, scalar_t* out)
+             const int64_t* end, int64_t n_heads, int64_t n_kv_heads, scalar_t* out)
       : B_(qkv.size(0)),
         t_(qkv.size(1)),
-        dim_(qkv.size(2) / 3),
+        hd_(qkv.size(2) / (n_heads + 2 * n_kv_heads)),
+        dim_(n_heads * hd_),
         H_(n_heads),
-        hd_(dim_ / n_heads),
+        group_(n_heads / n_kv_heads),
         max_len_(k_cache.size(2)),
         ld_q_(row_stride(qkv)),
         q_(qkv.const_data_ptr<scalar_t>()),
@@ -219,8 +224,9 @@ class DecodePass {
     const int64_t ks = std::min(end_[b], (chunks * sp / n_split_) * kDecodeChunk);
     const int64_t ke = std::min(end_[b], (chunks * (sp + 1) / n_split_) * kDecodeChunk);
     const scalar_t* q = q_ + b * batch_stride_ + h * hd_;  // (t, hd), ld ld_q_
-    const scalar_t* keys = k_cache_ + bh * max_len_ * hd_;   // (max_len, hd)
-    const scalar_t* values = v_cache_ + bh * max_len_ * hd_;
+    const int64_t bg = b * (H_ / group_) + h / group_;      // its key/value head
+    const scalar_t* keys = k_cache_ + bg * max_len_ * hd_;   // (max_len, hd)
+    const scalar_t* values = v_cache_ + bg * max_len_ * hd_;
     if (t_ <= kDecodeFewRows) {
       few_rows(b, q, keys, values, ks, ke, o, m, l, ws);
     } else {
@@ -329,10 +335,10 @@ class DecodePass {
     return reinterpret_cast<acc_t*>((address + kLine - 1) & ~static_cast<uintptr_t>(kLine - 1));
   }
 
-  const int64_t B_, t_, dim_, H_, hd_, max_len_, ld_q_;
+  const int64_t B_, t_, hd_, dim_, H_, group_, max_len_, ld_q_;  // dim_: H * hd, a row of out; group_: H / Hkv
   const scalar_t* q_;  // qkv: row t of sequence b at q_ + b * batch_stride_ + t * ld_q_
   const int64_t batch_stride_;
-  const scalar_t* k_cache_;  // (B, H, max_len, hd)
+  const scalar_t* k_cache_;  // (B, Hkv, max_len, hd)
   const scalar_t* v_cache_;
   const int64_t* start_;
   const int64_t* end_;
@@ -347,12 +353,15 @@ class DecodePass {
 }  // namespace
 
 at::Tensor decode_attention_cpu(const at::Tensor& qkv_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                const at::Tensor& start_in, const at::Tensor& end_in, int64_t n_heads) {
-  check_cache(qkv_in, k_cache, v_cache, start_in, end_in, n_heads);
+                                const at::Tensor& start_in, const at::Tensor& end_in, int64_t n_heads,
+                                std::optional<int64_t> n_kv_heads_in) {
+  const int64_t n_kv_heads = n_kv_heads_in.value_or(n_heads);
+  check_cache(qkv_in, k_cache, v_cache, start_in, end_in, n_heads, n_kv_heads);
   const auto qkv = blas_rows(qkv_in);
   const auto start = start_in.contiguous();
   const auto end = end_in.contiguous();
-  const int64_t B = qkv.size(0), t = qkv.size(1), dim = qkv.size(2) / 3, max_len = k_cache.size(2);
+  const int64_t B = qkv.size(0), t = qkv.size(1), max_len = k_cache.size(2);
+  const int64_t dim = n_heads * (qkv.size(2) / (n_heads + 2 * n_kv_heads));
   check_cache_positions(start, end, t, max_len);
   const int64_t* s = start.data_ptr<int64_t>();
   const int64_t* e = end.data_ptr<int64_t>();
@@ -361,7 +370,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& qkv_in, const at::Tensor& k_ca
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "decode_attention", [&] {
-    DecodePass<scalar_t>(qkv, k_cache, v_cache, s, e, n_heads, out.data_ptr<scalar_t>()).run();
+    DecodePass<scalar_t>(qkv, k_cache, v_cache, s, e, n_heads, n_kv_heads, out.data_ptr<scalar_t>()).run();
   });
   return out;
 }
@@ -369,8 +378,11 @@ at::Tensor decode_attention_cpu(const at::Tensor& qkv_in, const at::Tensor& k_ca
 namespace {
 
 void check_layer_weights(const at::Tensor& x, const at::Tensor& qkv_weight, const std::optional<at::Tensor>& qkv_bias,
-                         const at::Tensor& proj_weight, const std::optional<at::Tensor>& proj_bias, int64_t n_heads) {
+                         const at::Tensor& proj_weight, const std::optional<at::Tensor>& proj_bias, int64_t n_heads,
+                         int64_t n_kv_heads) {
   TORCH_CHECK_VALUE(n_heads > 0, "decode_layer: n_heads must be positive; got ", n_heads);
+  TORCH_CHECK_VALUE(n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+                    "decode_layer: n_kv_heads must be positive and divide n_heads (", n_heads, "); got ", n_kv_heads);
   TORCH_CHECK_VALUE(x.dim() == 3, "decode_layer: x must be 3-D (B, t, dim); got shape ", x.sizes());
   TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), "decode_layer: x must be a floating-point tensor; got dtype ",
                    x.scalar_type());
@@ -385,10 +397,11 @@ void check_layer_weights(const at::Tensor& x, const at::Tensor& qkv_weight, cons
     TORCH_CHECK_VALUE(t.device() == x.device(), "decode_layer: ", name, " must be on x's device (", x.device(),
                       "); got ", t.device());
   };
-  check(qkv_weight, "qkv_weight", {3 * dim, dim});
+  const int64_t width = (n_heads + 2 * n_kv_heads) * (dim / n_heads);  // q | k | v
+  check(qkv_weight, "qkv_weight", {width, dim});
   check(proj_weight, "proj_weight", {dim, dim});
   if (qkv_bias.has_value()) {
-    check(*qkv_bias, "qkv_bias", {3 * dim});
+    check(*qkv_bias, "qkv_bias", {width});
   }
   if (proj_bias.has_value()) {
     check(*proj_bias, "proj_bias", {dim});
@@ -401,12 +414,15 @@ at::Tensor decode_layer_cpu(const at::Tensor& x_in, const at::Tensor& qkv_weight
                             const std::optional<at::Tensor>& qkv_bias, const at::Tensor& proj_weight,
                             const std::optional<at::Tensor>& proj_bias, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& lengths,
-                            const std::optional<at::Tensor>& key_padding_mask, int64_t n_heads) {
-  check_layer_weights(x_in, qkv_weight, qkv_bias, proj_weight, proj_bias, n_heads);
+                            const std::optional<at::Tensor>& key_padding_mask, int64_t n_heads,
+                            std::optional<int64_t> n_kv_heads_in) {
+  const int64_t n_kv_heads = n_kv_heads_in.value_or(n_heads);
+  check_layer_weights(x_in, qkv_weight, qkv_bias, proj_weight, proj_bias, n_heads, n_kv_heads);
   TORCH_CHECK_VALUE(x_in.device().is_cpu(), "decode_layer takes CPU tensors; got x on ", x_in.device());
   const int64_t B = x_in.size(0), t = x_in.size(1), dim = x_in.size(2);
-  auto qkv = at::empty({B, t, 3 * dim}, x_in.options());  // the projections
-  check_cache(qkv, k_cache, v_cache, lengths, lengths, n_heads);
+  const int64_t width = qkv_weight.size(0);
+  auto qkv = at::empty({B, t, width}, x_in.options());  // the projections
+  check_cache(qkv, k_cache, v_cache, lengths, lengths, n_heads, n_kv_heads);
   // lengths is written last: refuse what could fail there before anything is written.
   TORCH_CHECK_VALUE(at::has_internal_overlap(lengths) != at::MemOverlap::Yes,
                     "decode_layer: lengths is written in place and must not be an expanded view (its elements "
@@ -446,9 +462,9 @@ at::Tensor decode_layer_cpu(const at::Tensor& x_in, const at::Tensor& qkv_weight
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x_in.scalar_type(), "decode_layer", [&] {
     // (The pass, whose state it allocates, is made before the cache is written: nothing is written
     // where that fails.)
-    DecodePass<scalar_t> pass(qkv, k_cache, v_cache, s, e, n_heads, heads.data_ptr<scalar_t>());
-    FewRowsProduct<scalar_t>(x_in.reshape({B * t, dim}), qkv_weight, qkv_bias).all(qkv.data_ptr<scalar_t>(), 3 * dim);
-    CacheRows<scalar_t>(qkv, k_cache, v_cache, s, e, n_heads).write_all();
+    DecodePass<scalar_t> pass(qkv, k_cache, v_cache, s, e, n_heads, n_kv_heads, heads.data_ptr<scalar_t>());
+    FewRowsProduct<scalar_t>(x_in.reshape({B * t, dim}), qkv_weight, qkv_bias).all(qkv.data_ptr<scalar_t>(), width);
+    CacheRows<scalar_t>(qkv, k_cache, v_cache, s, e, n_heads, n_kv_heads).write_all();
     pass.run();
   });
   auto out = few_rows_linear_cpu(heads, proj_weight, proj_bias);

@@ -21,6 +21,13 @@ int64_t checked_dim(int64_t dim, int64_t n_heads) {
   return dim;
 }
 
+std::optional<int64_t> checked_kv_heads(int64_t n_heads, std::optional<int64_t> n_kv_heads) {
+  TORCH_CHECK_VALUE(!n_kv_heads.has_value() || (*n_kv_heads > 0 && n_heads % *n_kv_heads == 0),
+                    "CausalSelfAttention: n_kv_heads must be positive and divide n_heads (got ", n_heads, "); got ",
+                    n_kv_heads.value_or(0));
+  return n_kv_heads;
+}
+
 double checked_dropout(double dropout) {
   check_dropout(dropout);
   return dropout;
@@ -76,9 +83,11 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t dim, int64_t n_heads, d
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const CausalSelfAttentionOptions& options)
     : dim_(checked_dim(options.dim(), options.n_heads())),
       n_heads_(options.n_heads()),
+      n_kv_heads_(checked_kv_heads(options.n_heads(), options.n_kv_heads())),
       dropout_(checked_dropout(options.dropout())),
       bias_(options.bias()) {
-  qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(dim_, 3 * dim_).bias(bias_)));
+  const int64_t width = (n_heads_ + 2 * n_kv_heads()) * head_dim();  // q | k | v
+  qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(dim_, width).bias(bias_)));
   proj = register_module("proj", torch::nn::Linear(torch::nn::LinearOptions(dim_, dim_).bias(bias_)));
 }
 
@@ -103,7 +112,7 @@ KVCache CausalSelfAttentionImpl::make_cache(int64_t batch_size, int64_t max_len)
       kernels::advise_huge_pages(*weight);
     }
   }
-  return KVCache(batch_size, n_heads_, head_dim(), max_len, qkv->weight.options());
+  return KVCache(batch_size, n_kv_heads(), head_dim(), max_len, qkv->weight.options());
 }
 
 at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, const std::optional<at::Tensor>& key_padding_mask,
@@ -128,13 +137,14 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, const std::opti
   if (decode_layer_applies(x)) {  // the steps below fused, the same bits (kernels::decode_layer_cpu)
     const auto optional = [](const at::Tensor& b) { return b.defined() ? std::optional<at::Tensor>(b) : std::nullopt; };
     return kernels::decode_layer_cpu(x, qkv->weight, optional(qkv->bias), proj->weight, optional(proj->bias), cache.k,
-                                     cache.v, cache.lengths, mask, n_heads_);
+                                     cache.v, cache.lengths, mask, n_heads_, n_kv_heads_);
   }
   const auto start = cache.lengths;                                    // (B,)
   const auto end = cache_end(start, mask, x.size(1), cache.max_len());  // (B,), checked
-  const auto qkv_out = few_rows_linear(x, qkv->weight, qkv->bias);  // (B, t, 3 * dim)
-  kernels::kv_cache_write_cpu(qkv_out, cache.k, cache.v, start, end, n_heads_);
-  const auto heads = kernels::decode_attention_cpu(qkv_out, cache.k, cache.v, start, end, n_heads_);  // (B, t, dim)
+  const auto qkv_out = few_rows_linear(x, qkv->weight, qkv->bias);  // (B, t, (H + 2 Hkv) * hd)
+  kernels::kv_cache_write_cpu(qkv_out, cache.k, cache.v, start, end, n_heads_, n_kv_heads_);
+  const auto heads =
+      kernels::decode_attention_cpu(qkv_out, cache.k, cache.v, start, end, n_heads_, n_kv_heads_);  // (B, t, dim)
   cache.lengths.copy_(end);
   return few_rows_linear(heads, proj->weight, proj->bias);
 }
@@ -142,9 +152,9 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, const std::opti
 at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, const std::optional<at::Tensor>& key_padding_mask) {
   check_x(x);
   const auto mask = normalize_key_padding_mask(key_padding_mask, x);  // (B, T) bool or none
-  const auto qkv_out = qkv->forward(x);                                // (B, T, 3 * dim)
+  const auto qkv_out = qkv->forward(x);                                // (B, T, (H + 2 Hkv) * hd)
   const double dropout_p = is_training() ? dropout_ : 0.0;
-  const auto heads = attention(qkv_out, mask, n_heads_, dropout_p);    // (B, T, dim)
+  const auto heads = attention(qkv_out, mask, n_heads_, dropout_p, std::nullopt, n_kv_heads_);  // (B, T, dim)
   return proj->forward(heads);                                         // (B, T, dim)
 }
 

@@ -484,3 +484,64 @@ TEST(Bias, WithoutBiasEqualsZeroBiasesAndHoldsWeightsOnly) {
 }
 
 }  // namespace
+
+namespace {
+// The grouped-query layer written in ATen: q | k | v split, each key/value head repeated for its group.
+torch::Tensor gqa_reference(CausalSelfAttention& attn, const torch::Tensor& x, const torch::Tensor& mask) {
+  const int64_t H = attn->n_heads(), Hkv = attn->n_kv_heads(), hd = attn->head_dim();
+  const int64_t B = x.size(0), T = x.size(1);
+  const auto qkv = attn->qkv->forward(x);
+  const auto parts = qkv.split({H * hd, Hkv * hd, Hkv * hd}, 2);
+  const auto q = parts[0].unflatten(2, {H, hd}).transpose(1, 2);
+  const auto k = parts[1].unflatten(2, {Hkv, hd}).transpose(1, 2).repeat_interleave(H / Hkv, 1);
+  const auto v = parts[2].unflatten(2, {Hkv, hd}).transpose(1, 2).repeat_interleave(H / Hkv, 1);
+  const auto allowed = torch::ones({T, T}, torch::kBool).tril().view({1, 1, T, T}).logical_and(mask.view({B, 1, 1, T}));
+  const auto scores = torch::matmul(q, k.transpose(2, 3)) / std::sqrt(static_cast<double>(hd));
+  auto weights = torch::softmax(scores.masked_fill(allowed.logical_not(), -INFINITY), -1);
+  weights = torch::where(allowed.any(-1, true), weights, torch::zeros_like(weights));
+  return attn->proj->forward(torch::matmul(weights, v).transpose(1, 2).reshape({B, T, H * hd}));
+}
+}  // namespace
+
+// CausalSelfAttentionOptions(dim, n_heads).n_kv_heads(k): the grouped-query layer, as Python's.
+TEST(GroupedQuery, ForwardBackwardAndCacheMatchTheReference) {
+  torch::manual_seed(23);
+  const int64_t B = 3, T = 17, H = 8, Hkv = 2, hd = 8;
+  CausalSelfAttention attn(causal_attention::CausalSelfAttentionOptions(H * hd, H).n_kv_heads(Hkv));
+  attn->to(torch::kFloat64);
+  EXPECT_EQ(attn->qkv->weight.sizes(), torch::IntArrayRef({(H + 2 * Hkv) * hd, H * hd}));
+  const auto x = torch::randn({B, T, H * hd}, torch::kFloat64).requires_grad_();
+  const auto mask = torch::arange(T).unsqueeze(0) < torch::tensor({T, int64_t{11}, int64_t{4}}).unsqueeze(1);
+  const auto y = attn->forward(x, mask);
+  const auto ref = gqa_reference(attn, x, mask);
+  EXPECT_LE(max_abs_diff(y.index({mask}), ref.index({mask})), 1e-12);
+  const auto g = torch::randn_like(y);
+  const auto grads = torch::autograd::grad({y}, {x, attn->qkv->weight}, {g});
+  const auto ref_grads = torch::autograd::grad({ref}, {x, attn->qkv->weight}, {g});
+  EXPECT_LE(max_abs_diff(grads[0], ref_grads[0]), 1e-12);
+  EXPECT_LE(max_abs_diff(grads[1], ref_grads[1]), 1e-12);
+
+  torch::NoGradGuard no_grad;
+  auto cache = attn->make_cache(B, 2 * T);
+  EXPECT_EQ(cache.k.sizes(), torch::IntArrayRef({B, Hkv, 2 * T, hd}));
+  std::vector<torch::Tensor> steps{attn->forward(x.narrow(1, 0, 5), mask.narrow(1, 0, 5), cache)};
+  for (int64_t t = 5; t < T; ++t) {
+    steps.push_back(attn->forward(x.narrow(1, t, 1), mask.narrow(1, t, 1), cache));
+  }
+  EXPECT_LE(max_abs_diff(torch::cat(steps, 1).index({mask}), ref.index({mask})), 1e-12);
+  EXPECT_TRUE(torch::equal(cache.lengths, mask.sum(1)));
+}
+
+TEST(GroupedQuery, HeadCountsThatDoNotDivideAreNamed) {
+  EXPECT_THROW(
+      {
+        try {
+          CausalSelfAttention attn(causal_attention::CausalSelfAttentionOptions(64, 8).n_kv_heads(3));
+        } catch (const c10::ValueError& e) {
+          EXPECT_NE(std::string(e.what()).find("n_kv_heads must be positive and divide n_heads (got 8); got 3"),
+                    std::string::npos);
+          throw;
+        }
+      },
+      c10::ValueError);
+}

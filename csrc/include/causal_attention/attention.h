@@ -77,20 +77,24 @@ at::Tensor cache_end(const at::Tensor& lengths, const std::optional<at::Tensor>&
 // The attention core through the dispatcher (autograd, torch.compile, every backend). With
 // dropout_p > 0 and no seed, a seed is drawn from the default CPU generator (draw_dropout_seed);
 // on other devices dropout is scaled_dot_product_attention's (its own generator; seed unused).
+// n_kv_heads: grouped-query attention, qkv (B, T, (H + 2 Hkv) * hd) (as attention_forward_cpu).
 at::Tensor attention(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
-                     int64_t n_heads, double dropout_p = 0.0, const std::optional<at::Tensor>& seed = std::nullopt);
+                     int64_t n_heads, double dropout_p = 0.0, const std::optional<at::Tensor>& seed = std::nullopt,
+                     std::optional<int64_t> n_kv_heads = std::nullopt);
 
 namespace kernels {
 
 // Composition of ATen operations (scaled_dot_product_attention); any device, autograd by ATen.
 at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
-                               int64_t n_heads, double dropout_p = 0.0);
+                               int64_t n_heads, double dropout_p = 0.0,
+                               std::optional<int64_t> n_kv_heads = std::nullopt);
 
 // The specification in ATen operations (materialises T x T): differentiable any number of times;
 // the fused kernel's double backward uses it. keep (B, H, T, T) bool: the dropout decisions
 // (P_drop = P * keep / (1 - dropout_p)), or none.
 at::Tensor attention_math(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
-                          int64_t n_heads, double dropout_p = 0.0, const std::optional<at::Tensor>& keep = std::nullopt);
+                          int64_t n_heads, double dropout_p = 0.0, const std::optional<at::Tensor>& keep = std::nullopt,
+                          std::optional<int64_t> n_kv_heads = std::nullopt);
 
 // Fused CPU forward: (out (B, T, H * hd), lse (B, H, T)). lse is float32 (float64 for float64 inputs);
 // a query with no allowed key has out = 0 and lse = +inf. key_padding_mask: bool (B, T) or none.
@@ -141,17 +145,21 @@ at::Tensor heads_grad_like(const at::Tensor& x);
 // dropout_keep_mask on the CPU (the seed is a CPU tensor).
 at::Tensor dropout_keep_mask_cpu(const at::Tensor& seed, int64_t B, int64_t H, int64_t T, double dropout_p);
 
-// Static KV cache (B, H, max_len, hd): writes the k and v of the real new tokens of qkv (B, t, 3 * dim),
-// the first end[b] - start[b] of sequence b, at positions start[b] .. end[b] - 1 (right padding is
-// never written). Positions are checked as by check_cache_positions.
+// Static KV cache (B, Hkv, max_len, hd): writes the k and v of the real new tokens of qkv (B, t, 3 * dim;
+// with n_kv_heads (B, t, (H + 2 Hkv) * hd)), the first end[b] - start[b] of sequence b, at positions
+// start[b] .. end[b] - 1 (right padding is never written). Positions are checked as by
+// check_cache_positions. n_kv_heads: none for H.
 void kv_cache_write_cpu(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& start, const at::Tensor& end, int64_t n_heads);
+                        const at::Tensor& start, const at::Tensor& end, int64_t n_heads,
+                        std::optional<int64_t> n_kv_heads = std::nullopt);
 
 // Attention of the t new queries in qkv (B, t, 3 * dim) against the cache: new query i of sequence
 // b attends positions j <= min(start[b] + i, end[b] - 1) (end[b]: the cache length with the new
-// real tokens). Returns (B, t, dim); a query with no visible key gives 0.
+// real tokens). Returns (B, t, H * hd); a query with no visible key gives 0. With n_kv_heads, query
+// head h reads cache head h / (H / Hkv).
 at::Tensor decode_attention_cpu(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                const at::Tensor& start, const at::Tensor& end, int64_t n_heads);
+                                const at::Tensor& start, const at::Tensor& end, int64_t n_heads,
+                                std::optional<int64_t> n_kv_heads = std::nullopt);
 
 // A decode step of the whole layer against its KV cache, in one op: end = cache_end(lengths,
 // key_padding_mask, t, max_len) (right padding and room checked), qkv = x (B, t, dim) @ qkv_weight^T
@@ -159,10 +167,12 @@ at::Tensor decode_attention_cpu(const at::Tensor& qkv, const at::Tensor& k_cache
 // proj(decode_attention(qkv)), and lengths advanced to end; the same values, bit for bit, as those
 // ops one after the other (the linear layers as few_rows_linear_cpu), which it runs in turn in one
 // call. Biases and the mask (bool (B, t), True = real) are optional; no autograd. Returns (B, t, dim).
+// n_kv_heads: qkv_weight ((H + 2 Hkv) * hd, dim) and the cache (B, Hkv, max_len, hd).
 at::Tensor decode_layer_cpu(const at::Tensor& x, const at::Tensor& qkv_weight, const std::optional<at::Tensor>& qkv_bias,
                             const at::Tensor& proj_weight, const std::optional<at::Tensor>& proj_bias,
                             const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& lengths,
-                            const std::optional<at::Tensor>& key_padding_mask, int64_t n_heads);
+                            const std::optional<at::Tensor>& key_padding_mask, int64_t n_heads,
+                            std::optional<int64_t> n_kv_heads = std::nullopt);
 
 // x (..., in) @ weight^T (+ bias) -> (..., out) for the few rows of a decode step, streaming the weight
 // (out, in) from memory once; sums in float32 for bfloat16/half (float64 for float64), one rounding.

@@ -6,6 +6,8 @@
 //   causal_attention::CausalSelfAttention drop(768, 12, /*dropout=*/0.1);  // attention-weight dropout
 //   causal_attention::CausalSelfAttention nb(
 //       causal_attention::CausalSelfAttentionOptions(768, 12).bias(false));  // no qkv/proj biases
+//   causal_attention::CausalSelfAttention gqa(
+//       causal_attention::CausalSelfAttentionOptions(2048, 32).n_kv_heads(8));  // grouped-query attention
 #pragma once
 
 #include <torch/arg.h>
@@ -20,7 +22,7 @@
 
 namespace causal_attention {
 
-// A static KV cache for one layer: keys and values (B, H, max_len, head_dim), lengths (B,) int64.
+// A static KV cache for one layer: keys and values (B, n_kv_heads, max_len, head_dim), lengths (B,) int64.
 struct KVCache {
   KVCache(int64_t batch_size, int64_t n_heads, int64_t head_dim, int64_t max_len,
           const at::TensorOptions& options = at::kFloat);
@@ -31,15 +33,18 @@ struct KVCache {
   at::Tensor k, v, lengths;
 };
 
-// The layer's options, as the Python keywords: dim, n_heads, then dropout (see below) and bias
+// The layer's options, as the Python keywords: dim, n_heads, then dropout (see below), bias
 // (False: qkv and proj are Linear layers without bias, nanoGPT's bias=False; the state holds
-// qkv.weight and proj.weight only).
+// qkv.weight and proj.weight only) and n_kv_heads (grouped-query attention: a divisor of n_heads, the
+// key/value heads; qkv is then Linear(dim, (n_heads + 2 * n_kv_heads) * head_dim), q | k | v, and query
+// head h reads key/value head h / (n_heads / n_kv_heads); none: n_heads, the seed's layer bit for bit).
 struct CausalSelfAttentionOptions {
   CausalSelfAttentionOptions(int64_t dim, int64_t n_heads) : dim_(dim), n_heads_(n_heads) {}
   TORCH_ARG(int64_t, dim);
   TORCH_ARG(int64_t, n_heads);
   TORCH_ARG(double, dropout) = 0.0;
   TORCH_ARG(bool, bias) = true;
+  TORCH_ARG(std::optional<int64_t>, n_kv_heads) = std::nullopt;
 };
 
 class CausalSelfAttentionImpl : public torch::nn::Module {
@@ -71,11 +76,12 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
 
   int64_t dim() const { return dim_; }
   int64_t n_heads() const { return n_heads_; }
+  int64_t n_kv_heads() const { return n_kv_heads_.value_or(n_heads_); }
   int64_t head_dim() const { return dim_ / n_heads_; }
   double dropout() const { return dropout_; }
   bool bias() const { return bias_; }
 
-  torch::nn::Linear qkv{nullptr};   // dim -> 3 * dim, split q | k | v
+  torch::nn::Linear qkv{nullptr};   // dim -> (n_heads + 2 * n_kv_heads) * head_dim (3 * dim), split q | k | v
   torch::nn::Linear proj{nullptr};  // dim -> dim
 
  private:
@@ -83,6 +89,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
 
   int64_t dim_;
   int64_t n_heads_;
+  std::optional<int64_t> n_kv_heads_;  // none: n_heads (multi-head: the ops are called without it)
   double dropout_;
   bool bias_;
 };

@@ -85,8 +85,10 @@ def select_backend(qkv: Tensor, requested: Backend) -> str:
     return "sdpa"
 
 
-def _cpp(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int, dropout_p: float = 0.0) -> Tensor:
-    return _ops.attention(qkv, key_padding_mask, n_heads, dropout_p)  # the fused kernels, autograd in _ops.py
+def _cpp(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int, dropout_p: float = 0.0, *,
+         n_kv_heads: int | None = None) -> Tensor:
+    # the fused kernels, autograd in _ops.py
+    return _ops.attention(qkv, key_padding_mask, n_heads, dropout_p, n_kv_heads=n_kv_heads)
 
 
 # Checks on values that guard data. With the engine loaded they run inside its ops (ValueError),
@@ -126,7 +128,8 @@ def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, dropout_p: flo
     """F.scaled_dot_product_attention with a bool mask (True = may attend), where a query with no
     allowed key gives 0 instead of NaN; dropout_p: its attention-weight dropout (torch's generator).
 
-    q (B, H, Tq, hd), k and v (B, H, Tk, hd), allowed (B, Tq, Tk) -> (B, H, Tq, hd).
+    q (B, H, Tq, hd), k and v (B, Hkv, Tk, hd) (Hkv dividing H: grouped-query attention), allowed
+    (B, Tq, Tk) -> (B, H, Tq, hd).
     """
     if q.shape[2] == 0 or k.shape[2] == 0:  # no query, or no key at all: nothing to attend
         return q.new_zeros(q.shape[:3] + (v.shape[3],))
@@ -135,49 +138,56 @@ def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, dropout_p: flo
     first = torch.zeros_like(allowed)
     first[..., 0] = True
     allowed = allowed | (~has_key[..., None] & first)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], dropout_p=dropout_p)  # (B, H, Tq, hd)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], dropout_p=dropout_p,
+                                         enable_gqa=k.shape[1] != q.shape[1])  # (B, H, Tq, hd)
     return out.masked_fill(~has_key[:, None, :, None], 0)
 
 
-def _split_heads(qkv: Tensor, n_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """qkv (B, T, 3 * dim) -> q, k, v, each (B, H, T, hd)."""
-    dim = qkv.shape[2] // 3
-    q, k, v = qkv.unflatten(2, (3, n_heads, dim // n_heads)).unbind(2)  # each (B, T, H, hd)
-    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+def _split_heads(qkv: Tensor, n_heads: int, n_kv_heads: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """qkv (B, T, (H + 2 Hkv) * hd) -> q (B, H, T, hd), k and v (B, Hkv, T, hd); Hkv = H when None."""
+    Hkv = n_heads if n_kv_heads is None else n_kv_heads
+    hd = qkv.shape[2] // (n_heads + 2 * Hkv)
+    q, k, v = qkv.split([n_heads * hd, Hkv * hd, Hkv * hd], dim=2)
+    return (q.unflatten(2, (n_heads, hd)).transpose(1, 2), k.unflatten(2, (Hkv, hd)).transpose(1, 2),
+            v.unflatten(2, (Hkv, hd)).transpose(1, 2))
 
 
-def _sdpa(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int, dropout_p: float = 0.0) -> Tensor:
-    B, T, three_dim = qkv.shape
-    q, k, v = _split_heads(qkv, n_heads)  # each (B, H, T, hd)
+def _sdpa(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int, dropout_p: float = 0.0, *,
+          n_kv_heads: int | None = None) -> Tensor:
+    B, T, _ = qkv.shape
+    q, k, v = _split_heads(qkv, n_heads, n_kv_heads)  # (B, H, T, hd), (B, Hkv, T, hd) twice
     if key_padding_mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)  # (B, H, T, hd)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                             enable_gqa=k.shape[1] != n_heads)  # (B, H, T, hd)
     else:
         causal = torch.ones(T, T, dtype=torch.bool, device=qkv.device).tril()  # (T, T)
         out = masked_sdpa(q, k, v, causal & key_padding_mask[:, None, :], dropout_p)  # (B, H, T, hd)
-    return out.transpose(1, 2).reshape(B, T, three_dim // 3)  # (B, T, dim)
+    return out.transpose(1, 2).reshape(B, T, n_heads * q.shape[3])  # (B, T, dim)
 
 
-def cached_attention_torch(qkv: Tensor, cache: KVCache, start: Tensor, end: Tensor, n_heads: int) -> Tensor:
+def cached_attention_torch(qkv: Tensor, cache: KVCache, start: Tensor, end: Tensor, n_heads: int,
+                           n_kv_heads: int | None = None) -> Tensor:
     """The KV cache path in plain torch (any device): writes the new k and v, then attends.
 
-    qkv (B, t, 3 * dim); start, end (B,), already checked (cache_end): new query i of sequence b
+    qkv (B, t, (H + 2 Hkv) * hd), the cache (B, Hkv, L, hd); start, end (B,), already checked
+    (cache_end): new query i of sequence b
     sits at start[b] + i and sees cache positions j <= min(start[b] + i, end[b] - 1). Only the real
     new tokens (positions start[b]..end[b]-1) are written; shapes are static and nothing indexes
     past max_len, so a compiled step never reads or writes out of bounds. Returns (B, t, dim).
     """
-    B, t, three_dim = qkv.shape
-    q, k_new, v_new = _split_heads(qkv, n_heads)  # each (B, H, t, hd)
+    B, t, _ = qkv.shape
+    q, k_new, v_new = _split_heads(qkv, n_heads, n_kv_heads)  # (B, H, t, hd), (B, Hkv, t, hd) twice
     keys = torch.arange(cache.max_len, device=qkv.device)  # (L,)
     written = (keys[None, :] >= start[:, None]) & (keys[None, :] < end[:, None])  # (B, L)
     source = (keys[None, :] - start[:, None]).clamp(0, max(t - 1, 0))  # (B, L): new token at each position
     if t > 0:
-        index = source[:, None, :, None].expand(B, n_heads, cache.max_len, k_new.shape[3])  # (B, H, L, hd)
+        index = source[:, None, :, None].expand(B, k_new.shape[1], cache.max_len, k_new.shape[3])  # (B, Hkv, L, hd)
         cache.k.copy_(torch.where(written[:, None, :, None], k_new.gather(2, index), cache.k))
         cache.v.copy_(torch.where(written[:, None, :, None], v_new.gather(2, index), cache.v))
     positions = start[:, None] + torch.arange(t, device=qkv.device)  # (B, t)
     allowed = (keys[None, None, :] <= positions[:, :, None]) & (keys[None, None, :] < end[:, None, None])  # (B, t, L)
     out = masked_sdpa(q, cache.k, cache.v, allowed)  # (B, H, t, hd)
-    return out.transpose(1, 2).reshape(B, t, three_dim // 3)  # (B, t, dim)
+    return out.transpose(1, 2).reshape(B, t, n_heads * q.shape[3])  # (B, t, dim)
 
 
 def dropout_keep(qkv: Tensor, n_heads: int, dropout_p: float) -> Tensor:
@@ -190,12 +200,14 @@ def dropout_keep(qkv: Tensor, n_heads: int, dropout_p: float) -> Tensor:
     return torch.rand(B, n_heads, T, T, device=qkv.device) >= dropout_p
 
 
-def _reference(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int, dropout_p: float = 0.0) -> Tensor:
+def _reference(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int, dropout_p: float = 0.0, *,
+               n_kv_heads: int | None = None) -> Tensor:
     keep = dropout_keep(qkv, n_heads, dropout_p) if dropout_p > 0 else None
-    return reference.attention_core(qkv, key_padding_mask, n_heads, dropout_p=dropout_p, keep=keep)[0]
+    return reference.attention_core(qkv, key_padding_mask, n_heads, n_kv_heads=n_kv_heads, dropout_p=dropout_p,
+                                    keep=keep)[0]
 
 
-# Each backend: (qkv, key_padding_mask, n_heads, dropout_p=0.0) -> (B, T, dim).
+# Each backend: (qkv, key_padding_mask, n_heads, dropout_p=0.0, *, n_kv_heads=None) -> (B, T, H * hd).
 RUN: dict[str, Callable[..., Tensor]] = {
     "cpp": _cpp,
     "sdpa": _sdpa,

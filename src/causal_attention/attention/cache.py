@@ -70,7 +70,8 @@ def advise_huge_pages(tensors: Tensor | Iterable[Tensor]) -> int:
 
 @dataclass
 class KVCache:
-    """Keys and values (B, H, max_len, head_dim) and per-sequence lengths (B,) int64."""
+    """Keys and values (B, H, max_len, head_dim) and per-sequence lengths (B,) int64; H is the layer's
+    key/value heads (n_kv_heads, fewer than its query heads in grouped-query attention)."""
 
     k: Tensor
     v: Tensor

@@ -71,7 +71,10 @@ class CausalSelfAttention(nn.Module):
 
     Args:
         dim: model width; x is (B, T, dim).
-        n_heads: number of heads; must divide dim (head_dim = dim // n_heads).
+        n_heads: number of (query) heads; must divide dim (head_dim = dim // n_heads).
+        n_kv_heads: keyword-only; grouped-query attention (multi-query with 1): the key/value heads, a
+            divisor of n_heads; query head h reads key/value head h // (n_heads // n_kv_heads). None
+            (the default): n_heads, the multi-head layer of the contract, bit for bit.
         backend: keyword-only. ``"auto"`` (the compiled C++ engine on CPU, torch's SDPA on CUDA),
             or one of ``"cpp"``, ``"sdpa"``, ``"reference"`` to force one.
         bias: keyword-only; False makes qkv and proj Linear layers without bias (nanoGPT's
@@ -82,8 +85,9 @@ class CausalSelfAttention(nn.Module):
             generator, so ``torch.manual_seed`` reproduces a run, for any thread count.
         device, dtype: keyword-only, for the parameters.
 
-    State: ``qkv`` = Linear(dim, 3 * dim) (output split q | k | v) and ``proj`` = Linear(dim, dim);
-    the state_dict holds exactly their weights and biases (weights only with ``bias=False``).
+    State: ``qkv`` = Linear(dim, 3 * dim) (output split q | k | v; with n_kv_heads
+    Linear(dim, (n_heads + 2 * n_kv_heads) * head_dim)) and ``proj`` = Linear(dim, dim); the state_dict
+    holds exactly their weights and biases (weights only with ``bias=False``).
     """
 
     def __init__(
@@ -91,6 +95,7 @@ class CausalSelfAttention(nn.Module):
         dim: int,
         n_heads: int,
         *,
+        n_kv_heads: int | None = None,
         backend: Backend = "auto",
         bias: bool = True,
         dropout: float = 0.0,
@@ -102,6 +107,10 @@ class CausalSelfAttention(nn.Module):
         _check_positive_int("n_heads", n_heads)
         if dim % n_heads != 0:
             raise ValueError(f"CausalSelfAttention: dim (got {dim}) must be divisible by n_heads (got {n_heads})")
+        if n_kv_heads is not None:
+            _check_positive_int("n_kv_heads", n_kv_heads)
+            if n_heads % n_kv_heads != 0:
+                raise ValueError(f"CausalSelfAttention: n_kv_heads (got {n_kv_heads}) must divide n_heads (got {n_heads})")
         if backend != "auto" and backend not in backends.BACKENDS:
             raise ValueError(f"backend must be one of {('auto',) + backends.BACKENDS}; got {backend!r}")
         if not isinstance(dropout, (int, float)) or isinstance(dropout, bool):
@@ -112,15 +121,24 @@ class CausalSelfAttention(nn.Module):
         self.dim = dim
         self.n_heads = n_heads
         self.head_dim = dim // n_heads
+        self.n_kv_heads = n_kv_heads  # None: n_heads (the ops are then called without it)
         self.backend: Backend = backend
         if not isinstance(bias, bool):
             raise TypeError(f"bias must be a bool; got {type(bias).__name__}")
-        self.qkv = nn.Linear(dim, 3 * dim, bias=bias, device=device, dtype=dtype)
+        width = (n_heads + 2 * self.kv_heads) * self.head_dim  # q | k | v
+        self.qkv = nn.Linear(dim, width, bias=bias, device=device, dtype=dtype)
         self.proj = nn.Linear(dim, dim, bias=bias, device=device, dtype=dtype)
+
+    @property
+    def kv_heads(self) -> int:
+        """The key/value heads: n_kv_heads, or n_heads without it."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     def extra_repr(self) -> str:
         extra = f", dropout={self.dropout}" if self.dropout else ""
-        return f"dim={self.dim}, n_heads={self.n_heads}, head_dim={self.head_dim}, backend={self.backend!r}{extra}"
+        heads = f", n_kv_heads={self.n_kv_heads}" if self.n_kv_heads is not None else ""
+        return (f"dim={self.dim}, n_heads={self.n_heads}{heads}, head_dim={self.head_dim}, backend={self.backend!r}"
+                f"{extra}")
 
     def _check_x(self, x: Tensor) -> None:
         if not isinstance(x, Tensor):
@@ -135,7 +153,7 @@ class CausalSelfAttention(nn.Module):
     def make_cache(
         self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
     ) -> KVCache:
-        """An empty KV cache for this layer: (batch_size, n_heads, max_len, head_dim) keys and values.
+        """An empty KV cache for this layer: (batch_size, kv_heads, max_len, head_dim) keys and values.
         On the CPU, the layer's weights are also moved onto huge pages in place where they span one
         (advise_huge_pages), as the cache's buffers are: a decode step streams both."""
         weight = getattr(self.qkv, "weight", None)
@@ -147,7 +165,7 @@ class CausalSelfAttention(nn.Module):
                     f"tensor here ({type(weight).__name__}: a quantized layer?); pass dtype= and device="
                 )
             dtype, device = dtype or weight.dtype, device or weight.device
-        return KVCache.empty(batch_size, self.n_heads, self.head_dim, max_len, dtype=dtype, device=device)
+        return KVCache.empty(batch_size, self.kv_heads, self.head_dim, max_len, dtype=dtype, device=device)
 
     def forward(
         self,
@@ -192,14 +210,15 @@ class CausalSelfAttention(nn.Module):
             dropout_p = self.dropout if self.training else 0.0
             keep = backends.dropout_keep(qkv, self.n_heads, dropout_p) if dropout_p > 0 else None  # (B, H, T, T)
             y, weights = reference.attention_core(
-                qkv, mask, self.n_heads, return_weights=True, dropout_p=dropout_p, keep=keep
+                qkv, mask, self.n_heads, n_kv_heads=self.n_kv_heads, return_weights=True, dropout_p=dropout_p, keep=keep
             )
             assert weights is not None
             return self.proj(y), weights
         return self.proj(self.attend(qkv, mask))  # (B, T, dim)
 
     def attend(self, qkv: Tensor, key_padding_mask: Tensor | None, *, cache: KVCache | None = None) -> Tensor:
-        """The attention between the projections: qkv (B, T, 3 * dim) -> joined heads (B, T, dim).
+        """The attention between the projections: qkv (B, T, 3 * dim; (B, T, (H + 2 Hkv) * hd) with
+        n_kv_heads) -> joined heads (B, T, dim).
 
         key_padding_mask: bool (B, T) or None (as normalised by forward). With a cache (checked by
         the caller against the shapes), the new keys and values are written and the lengths grow.
@@ -210,7 +229,9 @@ class CausalSelfAttention(nn.Module):
             return self._attend_cached(qkv, key_padding_mask, cache)
         name = backends.select_backend(qkv, self.backend)
         dropout_p = self.dropout if self.training else 0.0
-        return backends.RUN[name](qkv, key_padding_mask, self.n_heads, dropout_p)  # (B, T, dim)
+        if self.n_kv_heads is None:
+            return backends.RUN[name](qkv, key_padding_mask, self.n_heads, dropout_p)  # (B, T, dim)
+        return backends.RUN[name](qkv, key_padding_mask, self.n_heads, dropout_p, n_kv_heads=self.n_kv_heads)
 
     def _decode_step(self, x: Tensor, cache: KVCache) -> Tensor | None:
         """forward(x, cache=cache) without a mask, by the fused decode_layer op, asking in Python only
@@ -247,7 +268,7 @@ class CausalSelfAttention(nn.Module):
         try:
             # The overload itself: the packet's __call__ is one Python frame more per step.
             return torch.ops.causal_attention.decode_layer.default(x, *weights, cache.k, cache.v, cache.lengths, None,
-                                                                   self.n_heads)
+                                                                   self.n_heads, self.n_kv_heads)
         except (RuntimeError, ValueError, TypeError) as error:
             refused = error
         # Outside the except block: forward's error, where one applies, is raised on its own.
@@ -274,7 +295,7 @@ class CausalSelfAttention(nn.Module):
         # One op for the whole step (checks, cache write, lengths advanced): each Python op call
         # of a step runs with cold caches.
         return torch.ops.causal_attention.decode_layer.default(x, *weights, cache.k, cache.v, cache.lengths, mask,
-                                                               self.n_heads)
+                                                               self.n_heads, self.n_kv_heads)
 
     def _weights(self) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None] | None:
         """(qkv.weight, qkv.bias, proj.weight, proj.bias) where a decode step may stream both
@@ -298,14 +319,15 @@ class CausalSelfAttention(nn.Module):
     def _check_cache(self, cache: KVCache, x: Tensor, x_name: str) -> None:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache; got {type(cache).__name__}")
+        heads = "n_heads" if self.n_kv_heads is None else "n_kv_heads"
         if any(not isinstance(b, Tensor) or b.dim() != 4 for b in (cache.k, cache.v)):
             got = [tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__ for b in (cache.k, cache.v)]
-            raise ValueError(f"cache must hold 4-D (B, n_heads, max_len, head_dim) keys and values; got {got[0]} and {got[1]}")
-        expected = (x.shape[0], self.n_heads, cache.max_len, self.head_dim)
+            raise ValueError(f"cache must hold 4-D (B, {heads}, max_len, head_dim) keys and values; got {got[0]} and {got[1]}")
+        expected = (x.shape[0], self.kv_heads, cache.max_len, self.head_dim)
         for name, buffer in (("keys", cache.k), ("values", cache.v)):
             if tuple(buffer.shape) != expected:
                 raise ValueError(
-                    f"cache must hold (B, n_heads, max_len, head_dim) = {expected} {name}; got {tuple(buffer.shape)}"
+                    f"cache must hold (B, {heads}, max_len, head_dim) = {expected} {name}; got {tuple(buffer.shape)}"
                 )
             if buffer.dtype != x.dtype or buffer.device != x.device:
                 raise ValueError(
@@ -331,10 +353,11 @@ class CausalSelfAttention(nn.Module):
         start = cache.lengths  # (B,) tokens already in the cache
         end = backends.cache_end(start, mask, qkv.shape[1], cache.max_len)  # (B,), checked: right padding, room
         if backends.select_backend(qkv, self.backend) == "cpp":
-            torch.ops.causal_attention.kv_cache_write(qkv, cache.k, cache.v, start, end, self.n_heads)
-            y = torch.ops.causal_attention.decode_attention(qkv, cache.k, cache.v, start, end, self.n_heads)
+            heads = (self.n_heads,) if self.n_kv_heads is None else (self.n_heads, self.n_kv_heads)
+            torch.ops.causal_attention.kv_cache_write(qkv, cache.k, cache.v, start, end, *heads)
+            y = torch.ops.causal_attention.decode_attention(qkv, cache.k, cache.v, start, end, *heads)
         else:
-            y = backends.cached_attention_torch(qkv, cache, start, end, self.n_heads)  # (B, t, dim)
+            y = backends.cached_attention_torch(qkv, cache, start, end, self.n_heads, self.n_kv_heads)  # (B, t, dim)
         cache.lengths.copy_(end)
         return y  # (B, t, dim)
 
@@ -376,7 +399,13 @@ class CausalSelfAttention(nn.Module):
     def to_multihead_attention(self) -> nn.MultiheadAttention:
         """An ``nn.MultiheadAttention(dim, n_heads, batch_first=True)`` holding exact copies of the
         weights; call it as ``mha(x, x, x, attn_mask=causal, key_padding_mask=~mask)`` with
-        ``causal = torch.ones(T, T, dtype=torch.bool).triu(1)`` (True = not allowed)."""
+        ``causal = torch.ones(T, T, dtype=torch.bool).triu(1)`` (True = not allowed). A grouped-query
+        layer (n_kv_heads) has no such twin: ValueError."""
+        if self.n_kv_heads is not None and self.n_kv_heads != self.n_heads:
+            raise ValueError(
+                f"to_multihead_attention: nn.MultiheadAttention has a key/value head per query head; this layer has "
+                f"n_kv_heads={self.n_kv_heads} for n_heads={self.n_heads}"
+            )
         weight = self.qkv.weight
         has_bias = self.qkv.bias is not None
         mha = nn.MultiheadAttention(
