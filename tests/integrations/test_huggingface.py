@@ -410,7 +410,8 @@ def test_bench_transformers_quick(tmp_path: Path) -> None:
     rows = report["rows"]
     assert {row["name"] for row in rows} >= {"prefill vs sdpa", "prefill vs eager", "forward vs SDPA(enable_gqa)",
                                              "forward + backward vs SDPA(enable_gqa)", "decode attention vs sdpa",
-                                             "decode attention vs torch.sum of its K/V bytes"}
+                                             "decode attention vs torch.sum of its K/V bytes", "prefill vs sdpa",
+                                             "generate vs sdpa"}
     for row in rows:
         assert row["ours_ms"] > 0 and row["theirs_ms"] > 0
         assert row["ratio"] == pytest.approx(row["theirs_ms"] / row["ours_ms"])

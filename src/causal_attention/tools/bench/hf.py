@@ -27,6 +27,11 @@ Sections:
   the same key and value bytes (the row's "theirs" is the sum: the ratio is the fraction of a plain
   read the step reaches): B=8, context 2048, H=32 over Hkv=8, hd=64.
 
+- ``Llama``: a Llama-shaped model of 2 layers (hidden 2048, 32 heads over 8 key/value heads,
+  intermediate 5632, vocabulary 32000, random weights) with the engine against sdpa on the same weights:
+  a right-padded prefill (B=4, T=1024, lengths 1024, 900, 700, 512, the logits of the last position)
+  and ``generate`` of 64 greedy tokens after 512-token prompts left-padded to lengths 512, 450, 350, 256.
+
 ``quick`` uses a tiny config and T=64 (a smoke test, not a measurement).
 """
 
@@ -204,6 +209,50 @@ def gqa_rows(*, dtype: torch.dtype, repeats: int, quick: bool, progress: Progres
             + _rows(section, times, "ours_train", {"sdpa_train": "forward + backward vs SDPA(enable_gqa)"}))
 
 
+LLAMA_FULL = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, intermediate_size=5632,
+                  vocab_size=32000, prompt=512, new_tokens=64)
+LLAMA_QUICK = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                   vocab_size=101, prompt=32, new_tokens=4)
+
+
+def llama_rows(*, dtype: torch.dtype, repeats: int, quick: bool, progress: Progress) -> list[Row]:
+    """A Llama-shaped model of 2 layers inside transformers, the engine against sdpa: padded prefill and
+    generate after left-padded prompts."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    name = huggingface.register()
+    sizes = dict(LLAMA_QUICK if quick else LLAMA_FULL)
+    prompt, new_tokens = sizes.pop("prompt"), sizes.pop("new_tokens")
+    config = LlamaConfig(num_hidden_layers=2, max_position_embeddings=2048, **sizes)
+    models: dict[str, torch.nn.Module] = {}
+    for impl in (name, "sdpa"):
+        model = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation=impl, dtype=dtype)
+        if models:
+            model.load_state_dict(next(iter(models.values())).state_dict())
+        models[impl] = model.eval()
+    shape = QUICK if quick else FULL
+    ids, mask = _batch(config, shape["B"], shape["T"], shape["lengths"])
+    lengths = [prompt, prompt * 7 // 8, prompt * 11 // 16, prompt // 2]
+    prompts, prompt_mask = _batch(config, len(lengths), prompt, lengths)
+    prompt_mask = prompt_mask.flip(1)  # left padding, as generate takes prompts
+    options = dict(attention_mask=prompt_mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                   pad_token_id=0)
+    with torch.no_grad():  # the two generate the same tokens
+        assert torch.equal(models[name].generate(prompts, **options), models["sdpa"].generate(prompts, **options))
+    fns: dict[str, Callable[[], object]] = {}
+    for impl, model in models.items():
+        fns[f"prefill {impl}"] = lambda m=model: m(ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+        fns[f"generate {impl}"] = lambda m=model: m.generate(prompts, **options)
+    dt = str(dtype).replace("torch.", "")
+    times = _timed(fns, repeats, progress, f"Llama {dt}")
+    section = (f"Llama 2 layers hidden {config.hidden_size} heads {config.num_attention_heads}/"
+               f"{config.num_key_value_heads} {dt} ({torch.ops.causal_attention.cpu_capability()})")
+    return (_rows(section + f" prefill B={shape['B']} T={shape['T']}", times, f"prefill {name}",
+                  {"prefill sdpa": "prefill vs sdpa"})
+            + _rows(section + f" generate {new_tokens} after {prompt}-token prompts", times, f"generate {name}",
+                    {"generate sdpa": "generate vs sdpa"}))
+
+
 DECODE_FULL = dict(B=8, context=2048, H=32, Hkv=8, hd=64)
 DECODE_QUICK = dict(B=2, context=64, H=4, Hkv=2, hd=16)
 
@@ -276,6 +325,7 @@ def main(*, out_dir: Path, repeats: int, bf16: bool, quick: bool, gpt: bool = Tr
             rows += attention_rows(dtype=torch.float32, repeats=repeats, quick=quick, progress=progress)
             rows += gqa_rows(dtype=torch.float32, repeats=repeats, quick=quick, progress=progress)
             rows += decode_rows(dtype=torch.float32, repeats=repeats, quick=quick, progress=progress)
+            rows += llama_rows(dtype=torch.float32, repeats=max(1, repeats // 2), quick=quick, progress=progress)
             if bf16:
                 bf16_rows, why = prefill_rows(dtype=torch.bfloat16, repeats=repeats, quick=quick, progress=progress,
                                               budget_s=BF16_BUDGET_S)
