@@ -124,6 +124,23 @@ def test_working_dtypes_are_as_exact_as_sdpa(dtype: torch.dtype, hd: int, option
         assert rel_err(a, e) <= tol, f"{what}: {rel_err(a, e):.3g} > {tol:.3g}"
 
 
+@pytest.mark.parametrize("Tq", [1, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_decode_steps_are_as_exact_as_sdpa(dtype: torch.dtype, Tq: int) -> None:
+    """A few queries against a long left-padded past (the streaming route): within 3x SDPA's error at the
+    dtype, forward and backward (the backward from the route's lse)."""
+    B, H, Hkv, Tk, hd = 3, 8, 2, 700, 64
+    q, k, v = _operands(B, H, Hkv, Tq, Tk, hd, dtype, layout="bthd", magnitude=3.0)
+    mask = _key_mask("left", B, Tk)
+    g = torch.randn(B, Tq, H, hd, dtype=torch.float64).to(dtype)
+    ours = _engine(q, k, v, mask, g)
+    exact = _exact(q, k, v, mask, g)
+    base = _sdpa(q, k, v, mask, g)
+    floor = 2 * torch.finfo(dtype).eps if dtype != torch.float32 else 1e-5
+    for what, a, e, s in zip(("out", "dq", "dk", "dv"), ours, exact, base):
+        assert rel_err(a, e) <= max(floor, 3 * rel_err(s, e)), what
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_softcap_at_the_working_dtype_is_as_exact_as_eager(dtype: torch.dtype) -> None:
     """Gemma 2's softcap against the reference's own ops run at the dtype (transformers' eager)."""
