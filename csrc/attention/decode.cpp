@@ -24,6 +24,7 @@
 #include "causal_attention/attention.h"
 #include "blas.h"
 #include "config.h"
+#include "decode_merge.h"
 #include "linear/few_rows.h"
 #include "schedule.h"
 #include "cpu/tile_ops.h"
@@ -254,30 +255,9 @@ class DecodePass {
   // The output rows of (batch, head) bh from its splits' states (merged: hd_ values of scratch).
   void merge_rows(int64_t bh, acc_t* merged) {
     const int64_t b = bh / H_, h = bh % H_;
+    const auto split_state = [&](int64_t sp) -> const acc_t* { return state(bh * n_split_ + sp); };
     for (int64_t i = 0; i < t_; ++i) {
-      acc_t top = -std::numeric_limits<acc_t>::infinity();
-      for (int64_t sp = 0; sp < n_split_; ++sp) {  // a NaN max (a NaN score) stays: std::max would drop it
-        const acc_t m = state(bh * n_split_ + sp)[t_ * hd_ + i];
-        top = (std::isnan(m) || m > top) ? m : top;
-      }
-      scalar_t* row = out_ + (b * t_ + i) * dim_ + h * hd_;
-      if (top == -std::numeric_limits<acc_t>::infinity()) {  // no visible key: output 0
-        std::fill(row, row + hd_, scalar_t(0));
-        continue;
-      }
-      std::fill(merged, merged + hd_, acc_t(0));
-      acc_t total = 0;
-      for (int64_t sp = 0; sp < n_split_; ++sp) {
-        const acc_t* base = state(bh * n_split_ + sp);
-        const acc_t w = std::exp(base[t_ * hd_ + i] - top);  // 0 for a split that saw no key
-        total += base[t_ * hd_ + t_ + i] * w;
-        for (int64_t d = 0; d < hd_; ++d) {
-          merged[d] += base[i * hd_ + d] * w;
-        }
-      }
-      for (int64_t d = 0; d < hd_; ++d) {
-        row[d] = static_cast<scalar_t>(merged[d] / total);
-      }
+      merge_split_row(split_state, n_split_, t_, hd_, i, merged, out_ + (b * t_ + i) * dim_ + h * hd_);
     }
   }
 

@@ -21,6 +21,7 @@
 
 #include "causal_attention/attention.h"
 #include "config.h"
+#include "decode_merge.h"
 #include "decode_heads.h"
 #include "schedule.h"
 #include "cpu/tile_ops.h"
@@ -136,34 +137,12 @@ class HeadsDecodePass {
   // The output rows and lse of (batch, unit) bu from its splits' states.
   void merge(int64_t bu, acc_t* merged) {
     const int64_t b = bu / units_, u = bu % units_;
+    const auto split_state = [&](int64_t sp) -> const acc_t* { return state(bu * n_split_ + sp); };
     for (int64_t r = 0; r < rows_; ++r) {
       const int64_t h = stacked_ ? u * group_ + r : u;
       const int64_t i = stacked_ ? 0 : r;
-      scalar_t* row = out_ + ((b * Tq_ + i) * H_ + h) * hd_;
-      acc_t top = -std::numeric_limits<acc_t>::infinity();
-      for (int64_t sp = 0; sp < n_split_; ++sp) {  // a NaN max (a NaN score) stays: std::max would drop it
-        const acc_t m = state(bu * n_split_ + sp)[rows_ * hd_ + r];
-        top = (std::isnan(m) || m > top) ? m : top;
-      }
-      if (top == -std::numeric_limits<acc_t>::infinity()) {  // no visible key: output 0, lse +inf
-        std::fill(row, row + hd_, scalar_t(0));
-        lse_[(b * H_ + h) * Tq_ + i] = std::numeric_limits<acc_t>::infinity();
-        continue;
-      }
-      std::fill(merged, merged + hd_, acc_t(0));
-      acc_t total = 0;
-      for (int64_t sp = 0; sp < n_split_; ++sp) {
-        const acc_t* base = state(bu * n_split_ + sp);
-        const acc_t w = std::exp(base[rows_ * hd_ + r] - top);  // 0 for a split that saw no key
-        total += base[rows_ * hd_ + rows_ + r] * w;
-        for (int64_t d = 0; d < hd_; ++d) {
-          merged[d] += base[r * hd_ + d] * w;
-        }
-      }
-      for (int64_t d = 0; d < hd_; ++d) {
-        row[d] = static_cast<scalar_t>(merged[d] / total);
-      }
-      lse_[(b * H_ + h) * Tq_ + i] = top + std::log(total);
+      lse_[(b * H_ + h) * Tq_ + i] =
+          merge_split_row(split_state, n_split_, rows_, hd_, r, merged, out_ + ((b * Tq_ + i) * H_ + h) * hd_);
     }
   }
 
