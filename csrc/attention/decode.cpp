@@ -149,12 +149,12 @@ struct DecodeWorkspace {
         pv(tiles ? kDecodeRows * hd : hd),  // (hd: merge_rows' scratch)
         q(tiles ? 0 : kDecodeFewRows * hd),
         alpha(tiles ? kDecodeRows : 0),
-        buf(stream_keys(hd, sizeof(scalar_t))) {}
+        buf(tile::kDecodeGroupRows * stream_keys(hd, sizeof(scalar_t))) {}
   std::vector<acc_t> s;         // scores, then P
   std::vector<scalar_t> p_in;   // P in the input type (bfloat16 / half)
   std::vector<acc_t> pv;        // P V of one tile
   std::vector<acc_t> q;         // the few queries, widened to acc_t
-  std::vector<acc_t> alpha, buf;  // rescale factors, row scratch
+  std::vector<acc_t> alpha, buf;  // rescale factors, the few rows' scores
 };
 
 template <typename scalar_t>

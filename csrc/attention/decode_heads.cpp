@@ -1,6 +1,7 @@
 // A few queries over separate heads against a long past (transformers' decode step): the streaming
 // decode kernel (tile_ops' decode_chunk) reading the cache's keys and values in place, once per key/value
-// head for a single query (the group's query heads are its rows), once per query head for a few.
+// head for a single query (the group's query heads are its rows, read in groups of kDecodeGroupRows), once
+// per query head for a few.
 //
 // q (B, H, Tq, hd) ends k, v (B, Hkv, Tk, hd) (query i at key position Tk - Tq + i). The key mask's holes
 // (left padding, unfilled slots) split the keys into runs of real ones, each streamed on its own; the
@@ -65,7 +66,7 @@ class HeadsDecodePass {
   void run() {
     run_items(
         costliest_first(B_ * units_ * n_split_, [](int64_t) { return int64_t{1}; }),
-        [&] { return Workspace{std::vector<acc_t>(rows_ * hd_), std::vector<acc_t>(per_call())}; },
+        [&] { return Workspace{std::vector<acc_t>(rows_ * hd_), std::vector<acc_t>(tile::kDecodeGroupRows * per_call())}; },
         [&](int64_t item, Workspace& ws) { split(item, ws); });
     at::parallel_for(0, B_ * units_, 1, [&](int64_t begin, int64_t end) {
       std::vector<acc_t> merged(hd_);

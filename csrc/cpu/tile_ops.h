@@ -29,6 +29,9 @@ inline constexpr int64_t kNoCausal = std::numeric_limits<int64_t>::max() / 2;
 // Columns per panel of panel_gemm's B operand.
 inline constexpr int64_t kPanel = 16;
 
+// decode_chunk's rows per pass over the keys and values.
+inline constexpr int64_t kDecodeGroupRows = 4;
+
 // Products over the head (scores q . k, the backward's dP = dO . v) sum it in blocks of this many
 // values, each from 0, the block sums added in order: a chain over a whole head of 48 or 64 values
 // drifts about 1.5x further from the exact score than BLAS's small-matrix kernels, and a nearly
@@ -84,7 +87,8 @@ struct TileOps {
 
   // Decode, one chunk of n cached keys for a few query rows (q: rows x hd, acc_t, contiguous):
   // row i sees keys j <= i + causal_offset; updates its running max m, sum l and output o (hd),
-  // reading each key and value row once per query. buf: >= n scratch.
+  // reading each key and value row once for a group of up to kDecodeGroupRows rows (where the ISA has
+  // the blocked kernels; once per row elsewhere). buf: >= kDecodeGroupRows * n scratch.
   void (*decode_chunk)(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_t* v, int64_t ld, int64_t n,
                        int64_t hd, acc_t scale, int64_t causal_offset, acc_t* m, acc_t* l, acc_t* o, acc_t* buf);
 

@@ -31,7 +31,7 @@ void check_case(const tile::TileOps<scalar_t>& ops, torch::ScalarType dtype, int
   const auto v = torch::randn({n, hd}).to(dtype);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.f), o(rows * hd, 0.f);
-  std::vector<float> buf(n);
+  std::vector<float> buf(tile::kDecodeGroupRows * n);
   const float* qp = q.data_ptr<float>();
   const scalar_t* kp = k.data_ptr<scalar_t>();
   const scalar_t* vp = v.data_ptr<scalar_t>();
@@ -74,7 +74,7 @@ void check_table(const tile::TileOps<scalar_t>& ops, torch::ScalarType dtype, co
   ASSERT_NE(ops.decode_chunk, nullptr);
   for (const int64_t hd : {8, 24, 48, 64, 80}) {
     for (const int64_t n : {1, 7, 15, 16, 17, 33, 100}) {
-      for (const int64_t rows : {1, 3}) {
+      for (const int64_t rows : {1, 2, 3, 4, 7, 8, 13, 16}) {
         for (const int64_t offset : {n - 1, n - rows, int64_t{-1}, n / 2}) {  // all keys; causal limits; none for row 0
           for (const int64_t cut : {n, n / 2}) {
             check_case(ops, dtype, rows, n, hd, offset, cut,

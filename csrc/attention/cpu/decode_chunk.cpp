@@ -1,5 +1,7 @@
 // The decode kernel: a few query rows against a chunk of cached keys and values (dot products, the
 // softmax update and the weighted sum of the values, each row read once per query).
+#include <cstring>
+
 #include "cpu/exp.h"
 #include "cpu/families.h"
 #include "cpu/vec.h"
@@ -57,7 +59,8 @@ inline __m512d unpackhi(__m512d x, __m512d y) { return _mm512_mask_unpackhi_pd(x
 template <int kImm>
 inline __m512 shuffle128(__m512 x, __m512 y) { return _mm512_mask_shuffle_f32x4(x, 0xFFFF, x, y, kImm); }
 
-inline Vec<float> sum_lanes(const Vec<float> (&a)[16]) {
+template <typename V>  // Vec<float> or __m512
+inline Vec<float> sum_lanes(const V (&a)[16]) {
   __m512 b[8], c[4], d[2];
   for (int i = 0; i < 8; ++i) {  // b[i]: per 128-bit lane, two partial sums each of a[2i] and a[2i + 1]
     const __m512 x = a[2 * i], y = a[2 * i + 1];
@@ -73,7 +76,8 @@ inline Vec<float> sum_lanes(const Vec<float> (&a)[16]) {
   return _mm512_add_ps(shuffle128<0x88>(d[0], d[1]), shuffle128<0xdd>(d[0], d[1]));
 }
 #else
-inline Vec<float> sum_lanes(const Vec<float> (&a)[8]) {
+template <typename V>  // Vec<float> or __m256
+inline Vec<float> sum_lanes(const V (&a)[8]) {
   const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
   const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
   const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // 128-bit halves: a[0..3] / a[4..7]
@@ -183,37 +187,250 @@ inline void weighted_rows(const acc_t* p, const scalar_t* v, int64_t ld, int64_t
   }
 }
 
-// Each query row's scores over the chunk's keys (one pass over the keys), its softmax update, then
-// its weighted sum of the values (one pass over the values). No software prefetch: each pass reads
-// its rows in address order, which the hardware's stream prefetchers follow (with the cache on huge
-// pages, software prefetching only costs time).
+// One query row against the chunk's first `visible` keys: its scores (one pass over the keys), its
+// softmax update, then its weighted sum of the values (one pass over the values).
+template <typename scalar_t, typename acc_t>
+inline void decode_row(const acc_t* q, const scalar_t* k, const scalar_t* v, int64_t ld, int64_t visible, int64_t hd,
+                       acc_t scale, acc_t& m, acc_t& l, acc_t* o, acc_t* buf) {
+  constexpr int kKeys = 8;  // keys per pass over the query row
+  int64_t j = 0;
+  if constexpr (kBlockDots && std::is_same_v<acc_t, float>) {
+    constexpr int64_t W = Vec<float>::size();  // keys per block
+    for (; j + W <= visible; j += W) {
+      dot_block(q, k + j * ld, ld, hd, buf + j);
+    }
+  }
+  for (; j + kKeys <= visible; j += kKeys) {
+    dot_rows<kKeys>(q, k + j * ld, ld, hd, buf + j);
+  }
+  for (; j < visible; ++j) {
+    dot_rows<1>(q, k + j * ld, ld, hd, buf + j);
+  }
+  const acc_t m_new = std::max(scale * max_of(buf, visible), m);  // a NaN score stays (NaN out)
+  const acc_t alpha = std::exp(m - m_new);  // 0 when m = -inf
+  l = l * alpha + exp_scaled_inplace(buf, visible, scale, m_new);
+  m = m_new;
+  weighted_rows(buf, v, ld, visible, hd, alpha, o);
+}
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// A group of R query rows (the query heads sharing a key/value head, or a few queries of one head)
+// reads each key and value row once for all R: one row at a time, the group's other rows re-read the
+// chunk from L2 after it arrived, while the memory stream stands idle.
+
+// Accumulator registers a weighted pass keeps (AVX512: 16 of 32, AVX2: 8 of 16).
+constexpr int kAccRegs = Vec<float>::size();
+
+// The group kernels hold their accumulators as raw registers: arrays of at::vec::Vectorized, GCC keeps
+// on the stack, storing every accumulator at every key.
+#if defined(CPU_CAPABILITY_AVX512)
+using Reg = __m512;
+inline Reg fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+inline Reg broadcast(float x) { return _mm512_set1_ps(x); }
+inline Reg zero() { return _mm512_setzero_ps(); }
+inline Reg load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, Reg x) { _mm512_storeu_ps(p, x); }
+#else
+using Reg = __m256;
+inline Reg fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+inline Reg broadcast(float x) { return _mm256_set1_ps(x); }
+inline Reg zero() { return _mm256_setzero_ps(); }
+inline Reg load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, Reg x) { _mm256_storeu_ps(p, x); }
+#endif
+template <typename scalar_t>
+inline Reg load_float(const scalar_t* p) {  // W values, widened
+  return Reg(load_acc<float>(p));
+}
+
+// s[r * lds + j] = sum_d q[r * hd + d] * k[j * ld + d] for r < R, j < n: blocks of W / R keys, whose
+// R x W / R sums (W lanes each) sum_lanes adds at once (lane r * W / R + c: row r's scores adjacent);
+// a scalar tail past the last whole vector of hd, and row by row past the last whole block of keys.
+template <int R, typename scalar_t>
+inline void dot_group(const float* q, int64_t hd, const scalar_t* k, int64_t ld, int64_t n, float* s, int64_t lds) {
+  constexpr int W = Vec<float>::size();
+  constexpr int kBlock = W / R;
+  const int64_t whole = hd / W * W;
+  int64_t j = 0;
+  for (; j + kBlock <= n; j += kBlock) {
+    Reg acc[W];
+#pragma GCC unroll 16
+    for (int c = 0; c < kBlock; ++c) {
+      const scalar_t* row = k + (j + c) * ld;
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        acc[r * kBlock + c] = zero();
+      }
+      for (int64_t d = 0; d < whole; d += W) {
+        const Reg kd = load_float(row + d);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          acc[r * kBlock + c] = fma(load(q + r * hd + d), kd, acc[r * kBlock + c]);
+        }
+      }
+    }
+    alignas(64) float t[W];
+    sum_lanes(acc).store(t);
+    for (int64_t d = whole; d < hd; ++d) {
+      for (int c = 0; c < kBlock; ++c) {
+        const float kd = static_cast<float>(k[(j + c) * ld + d]);
+        for (int r = 0; r < R; ++r) {
+          t[r * kBlock + c] += q[r * hd + d] * kd;
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(s + r * lds + j, t + r * kBlock, kBlock * sizeof(float));
+    }
+  }
+  for (; j < n; ++j) {
+    for (int r = 0; r < R; ++r) {
+      dot_rows<1>(q + r * hd, k + j * ld, ld, hd, s + r * lds + j);
+    }
+  }
+}
+
+// o[r * hd + u * W + w] += sum_{j < n} p[r * ldp + j] * v[j * ld + u * W + w] for r < R, u < U:
+// R x U vectors of o in registers, each value row loaded once for the R rows.
+template <int R, int U, typename scalar_t>
+inline void weighted_group_block(const float* p, int64_t ldp, const scalar_t* v, int64_t ld, int64_t n, float* o,
+                                 int64_t hd) {
+  constexpr int64_t W = Vec<float>::size();
+  Reg acc[R][U];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+    for (int u = 0; u < U; ++u) {
+      acc[r][u] = load(o + r * hd + u * W);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    Reg vj[U];
+#pragma GCC unroll 16
+    for (int u = 0; u < U; ++u) {
+      vj[u] = load_float(v + j * ld + u * W);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const Reg pj = broadcast(p[r * ldp + j]);
+#pragma GCC unroll 16
+      for (int u = 0; u < U; ++u) {
+        acc[r][u] = fma(pj, vj[u], acc[r][u]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+    for (int u = 0; u < U; ++u) {
+      store(o + r * hd + u * W, acc[r][u]);
+    }
+  }
+}
+
+// The R rows' weighted sums over keys [0, n): vector blocks of U <= kAccRegs / R across hd (halving
+// U for what is left), keys in runs of kKeys so that the later blocks re-read the values from L1,
+// a scalar tail past the last whole vector.
+template <int R, int U, typename scalar_t>
+inline void weighted_blocks(const float* p, int64_t ldp, const scalar_t* v, int64_t ld, int64_t n, int64_t hd,
+                            int64_t d0, float* o) {
+  constexpr int64_t W = Vec<float>::size();
+  for (; d0 + U * W <= hd; d0 += U * W) {
+    weighted_group_block<R, U>(p, ldp, v + d0, ld, n, o + d0, hd);
+  }
+  if constexpr (U > 1) {
+    weighted_blocks<R, U / 2>(p, ldp, v, ld, n, hd, d0, o);
+  } else {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      for (int64_t d = d0; d < hd; ++d) {
+        float acc = o[r * hd + d];
+        for (int64_t j = 0; j < n; ++j) {
+          acc += p[r * ldp + j] * static_cast<float>(v[j * ld + d]);
+        }
+        o[r * hd + d] = acc;
+      }
+    }
+  }
+}
+
+template <int R, typename scalar_t>
+inline void weighted_group(const float* p, int64_t ldp, const scalar_t* v, int64_t ld, int64_t n, int64_t hd,
+                           float* o) {
+  constexpr int64_t kKeys = 64;  // 16 KB of float32 values at hd = 64
+  constexpr int U = std::min(8, kAccRegs / R);
+  for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
+    weighted_blocks<R, U>(p + j0, ldp, v + j0 * ld, ld, std::min(kKeys, n - j0), hd, 0, o);
+  }
+}
+
+// R rows, row r sees keys j <= first_row + r + causal_offset of the chunk's n: scores of the keys the
+// last row sees, each row's softmax update over its own, the weighted sum over the keys every row sees
+// for all R at once, and each row's few further keys on its own (a later key never enters an earlier
+// row's sum, not even as 0 x a non-finite value).
+template <int R, typename scalar_t>
+void decode_group(const float* q, int64_t first_row, const scalar_t* k, const scalar_t* v, int64_t ld, int64_t n,
+                  int64_t hd, float scale, int64_t causal_offset, float* m, float* l, float* o, float* s) {
+  const auto visible = [&](int64_t r) { return std::clamp<int64_t>(first_row + r + causal_offset + 1, 0, n); };
+  const int64_t all = visible(R - 1), common = visible(0);
+  if (all == 0) {
+    return;
+  }
+  dot_group<R>(q, hd, k, ld, all, s, all);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    float* sr = s + r * all;
+    if (visible(r) == 0) {
+      continue;
+    }
+    const float m_new = std::max(scale * max_of(sr, visible(r)), m[r]);  // a NaN score stays (NaN out)
+    const float alpha = std::exp(m[r] - m_new);  // 0 when m = -inf
+    l[r] = l[r] * alpha + exp_scaled_inplace(sr, visible(r), scale, m_new);
+    m[r] = m_new;
+    const Vec<float> valpha(alpha);
+    int64_t d = 0;
+    for (; d + Vec<float>::size() <= hd; d += Vec<float>::size()) {
+      (Vec<float>::loadu(o + r * hd + d) * valpha).store(o + r * hd + d);
+    }
+    for (; d < hd; ++d) {
+      o[r * hd + d] *= alpha;
+    }
+  }
+  weighted_group<R>(s, all, v, ld, common, hd, o);
+  for (int r = 1; r < R; ++r) {
+    if (visible(r) > common) {
+      weighted_rows(s + r * all + common, v + common * ld, ld, visible(r) - common, hd, 1.f, o + r * hd);
+    }
+  }
+}
+#endif
+
+// The chunk's rows: in groups of 4 and 2 rows where the ISA has the blocked kernels (float32, bfloat16,
+// half), one at a time otherwise. Not groups of 8: their weighted pass holds only half a value row of
+// each of its rows in registers. No software prefetch: each pass reads its rows in address order, which
+// the hardware's stream prefetchers follow.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_t* v, int64_t ld, int64_t n,
                   int64_t hd, acc_t scale, int64_t causal_offset, acc_t* m, acc_t* l, acc_t* o, acc_t* buf) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t visible = std::clamp<int64_t>(i + causal_offset + 1, 0, n);
-    if (visible == 0) {
-      continue;
-    }
-    constexpr int kKeys = 8;  // keys per pass over the query row
-    int64_t j = 0;
-    if constexpr (kBlockDots && std::is_same_v<acc_t, float>) {
-      constexpr int64_t W = Vec<float>::size();  // keys per block
-      for (; j + W <= visible; j += W) {
-        dot_block(q + i * hd, k + j * ld, ld, hd, buf + j);
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const auto group = [&](auto rows_per_group) {
+      constexpr int R = decltype(rows_per_group)::value;
+      for (; i + R <= rows; i += R) {
+        decode_group<R>(q + i * hd, i, k, v, ld, n, hd, scale, causal_offset, m + i, l + i, o + i * hd, buf);
       }
+    };
+    static_assert(kDecodeGroupRows == 4);
+    group(std::integral_constant<int, 4>{});
+    group(std::integral_constant<int, 2>{});
+  }
+#endif
+  for (; i < rows; ++i) {
+    const int64_t visible = std::clamp<int64_t>(i + causal_offset + 1, 0, n);
+    if (visible > 0) {
+      decode_row(q + i * hd, k, v, ld, visible, hd, scale, m[i], l[i], o + i * hd, buf);
     }
-    for (; j + kKeys <= visible; j += kKeys) {
-      dot_rows<kKeys>(q + i * hd, k + j * ld, ld, hd, buf + j);
-    }
-    for (; j < visible; ++j) {
-      dot_rows<1>(q + i * hd, k + j * ld, ld, hd, buf + j);
-    }
-    const acc_t m_new = std::max(scale * max_of(buf, visible), m[i]);  // a NaN score stays (NaN out)
-    const acc_t alpha = std::exp(m[i] - m_new);  // 0 when m[i] = -inf
-    l[i] = l[i] * alpha + exp_scaled_inplace(buf, visible, scale, m_new);
-    m[i] = m_new;
-    weighted_rows(buf, v, ld, visible, hd, alpha, o + i * hd);
   }
 }
 
