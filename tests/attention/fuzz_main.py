@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # tests/: helpers
+from helpers import isa_env  # noqa: E402
 
 
 def summary_lines(report: dict, seconds: float) -> list[str]:
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         child_report = report_path.with_name(f"{report_path.stem}_{path}.json")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--one-path", "--examples", str(args.examples),
                "--seed", str(args.seed), "--threads", str(args.threads), "--report", str(child_report)]
-        rc = subprocess.run(cmd, env=dict(os.environ, ATEN_CPU_CAPABILITY=path)).returncode
+        rc = subprocess.run(cmd, env=isa_env(path)).returncode
         code = code or rc
         if child_report.exists():
             reports[path] = json.loads(child_report.read_text())

@@ -11,7 +11,7 @@ import torch
 
 from causal_attention import CausalSelfAttention
 from causal_attention.attention import reference
-from helpers import make_mask, rel_err
+from helpers import isa_env, make_mask, rel_err
 
 op = torch.ops.causal_attention.attention
 
@@ -264,7 +264,7 @@ def test_each_instruction_set_is_exact(capability):
         pytest.skip("this CPU has no AVX-512")
     if capability == "avx2" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
         pytest.skip("this CPU has no AVX2")
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    env = isa_env(capability)
     result = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, check=True)
     name, err, finite, bf16_ratio = result.stdout.split()
     assert name == capability.upper()
@@ -301,7 +301,7 @@ def test_kernel_suites_on_each_lower_instruction_set(capability, tmp_path):
     if capability not in _LOWER.get(default, []):
         pytest.skip(f"{capability.upper()} is not below this CPU's default ({default}): the whole suite ran it")
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    env = isa_env(capability, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     probe = subprocess.run([sys.executable, "-c", "import torch, causal_attention; "
                             "print(torch.ops.causal_attention.cpu_capability())"],
                            env=env, capture_output=True, text=True, check=True)
@@ -339,7 +339,7 @@ def test_micro_kernel_one_key_gives_exact_zero_query_gradient(capability):
     default = torch.backends.cpu.get_cpu_capability()
     if default == "DEFAULT" or (capability == "avx512" and default != "AVX512"):
         pytest.skip(f"this CPU has no {capability.upper()}")
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    env = isa_env(capability)
     result = subprocess.run([sys.executable, "-c", _ONE_KEY_SCRIPT], env=env, capture_output=True, text=True,
                             check=True)
     lines = result.stdout.split("\n")[:3]
