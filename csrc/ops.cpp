@@ -14,6 +14,9 @@
 //   decode_layer(x, qkv_weight, qkv_bias, proj_weight, proj_bias, k_cache!, v_cache!, lengths!, key_padding_mask,
 //                n_heads, n_kv_heads=None) -> out      a whole decode step: cache_end, the ops above and below, fused
 //   few_rows_linear(x, weight, bias) -> y                              a decode step's linear layers
+//   project(x, weight, bias) -> y           differentiable; half on CPUs without half arithmetic: widened
+//   widened_addmm(a, b, bias) -> c          a @ b + bias, half operands summed in float32, rounded once
+//   half_arithmetic(dtype) -> bool          whether project leaves dtype to ATen here
 //   mask_to_bool(key_padding_mask) -> mask                              checks an integer mask's values
 //   cache_end(lengths, key_padding_mask, new_tokens, max_len) -> end    checks a cache step
 //   cache_zeros(size, dtype, device=None) -> zeros                     a KV cache buffer, on the CPU on huge pages
@@ -309,6 +312,9 @@ TORCH_LIBRARY(causal_attention, m) {
   m.def("mask_to_bool(Tensor key_padding_mask) -> Tensor");
   m.def("cache_end(Tensor lengths, Tensor? key_padding_mask, int new_tokens, int max_len) -> Tensor");
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("project(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("widened_addmm(Tensor a, Tensor b, Tensor? bias) -> Tensor");
+  m.def("half_arithmetic(ScalarType dtype) -> bool");
   m.def("cache_zeros(int[] size, ScalarType dtype, Device? device=None) -> Tensor");
   m.def("advise_huge_pages(Tensor tensor) -> int");
 }
@@ -322,6 +328,8 @@ TORCH_LIBRARY_IMPL(causal_attention, Autograd, m) {
   m.impl("attention_heads_forward", torch::autograd::autogradNotImplementedFallback());
   m.impl("attention_heads_backward", torch::autograd::autogradNotImplementedFallback());
   m.impl("few_rows_linear", torch::autograd::autogradNotImplementedFallback());  // inference only
+  m.impl("project", &causal_attention::project);                              // its own autograd where it widens
+  m.impl("widened_addmm", torch::autograd::autogradNotImplementedFallback());  // differentiated by project
   m.impl("decode_layer", torch::autograd::autogradNotImplementedFallback());     // inference only
   m.impl("advise_huge_pages", torch::autograd::autogradNotImplementedFallback());  // no tensor out
 }
@@ -331,6 +339,17 @@ TORCH_LIBRARY_IMPL(causal_attention, CompositeExplicitAutograd, m) {
   m.impl("mask_to_bool", &mask_to_bool);
   m.impl("cache_end", &cache_end);
   m.impl("cache_zeros", &kernels::cache_zeros);
+  m.impl("project", [](const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias) {
+    if (kernels::project_widens(x, weight, bias)) {
+      return kernels::widened_addmm_cpu(x.reshape({-1, x.size(-1)}), weight.t(), bias)
+          .view([&] {
+            auto sizes = x.sizes().vec();
+            sizes.back() = weight.size(0);
+            return sizes;
+          }());
+    }
+    return at::linear(x, weight, bias);
+  });
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {
@@ -345,6 +364,10 @@ TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {
   m.impl("mask_to_bool", &mask_to_bool_meta);
   m.impl("cache_end", &cache_end_meta);
   m.impl("few_rows_linear", &few_rows_linear_meta);
+  m.impl("project", [](const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias) {
+    return at::linear(x, weight, bias);  // ATen's shapes and checks
+  });
+  m.impl("widened_addmm", &kernels::widened_addmm_meta);
   m.impl("decode_layer", &decode_layer_meta);
   m.impl("advise_huge_pages", [](const at::Tensor&) -> int64_t { return 0; });  // no memory to advise
 }
@@ -358,12 +381,14 @@ TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
   m.impl("kv_cache_write", &kernels::kv_cache_write_cpu);
   m.impl("decode_attention", &kernels::decode_attention_cpu);
   m.impl("few_rows_linear", &kernels::few_rows_linear_cpu);
+  m.impl("widened_addmm", &kernels::widened_addmm_cpu);
   m.impl("decode_layer", &kernels::decode_layer_cpu);
   m.impl("advise_huge_pages", &kernels::advise_huge_pages);
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, CatchAll, m) {
   m.impl("cpu_capability", [] { return std::string(kernels::cpu_capability()); });
+  m.impl("half_arithmetic", &kernels::half_arithmetic);
 }
 
 const char* kernels::cpu_capability() { return tile::tile_ops_capability(); }

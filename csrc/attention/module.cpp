@@ -54,7 +54,7 @@ bool engine_streams(const at::Tensor& x, std::initializer_list<const at::Tensor*
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   const int64_t rows = x.numel() / std::max<int64_t>(1, x.size(-1));
   if (!few_rows_step(rows)) {
-    return at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+    return project(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
   }
   if (engine_streams(x, {&weight, &bias})) {  // streams the weight once
     return kernels::few_rows_linear_cpu(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
@@ -152,10 +152,13 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, const std::opti
 at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, const std::optional<at::Tensor>& key_padding_mask) {
   check_x(x);
   const auto mask = normalize_key_padding_mask(key_padding_mask, x);  // (B, T) bool or none
-  const auto qkv_out = qkv->forward(x);                                // (B, T, (H + 2 Hkv) * hd)
+  const auto optional = [](const at::Tensor& b) { return b.defined() ? std::optional<at::Tensor>(b) : std::nullopt; };
+  // The projections by project: qkv->forward's at::linear, widened for half precision where the CPU has
+  // no half arithmetic.
+  const auto qkv_out = project(x, qkv->weight, optional(qkv->bias));  // (B, T, (H + 2 Hkv) * hd)
   const double dropout_p = is_training() ? dropout_ : 0.0;
   const auto heads = attention(qkv_out, mask, n_heads_, dropout_p, std::nullopt, n_kv_heads_);  // (B, T, dim)
-  return proj->forward(heads);                                         // (B, T, dim)
+  return project(heads, proj->weight, optional(proj->bias));           // (B, T, dim)
 }
 
 }  // namespace causal_attention

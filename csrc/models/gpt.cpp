@@ -296,7 +296,17 @@ BlockImpl::BlockImpl(const GPTConfig& config) {
 
 at::Tensor BlockImpl::forward(const at::Tensor& x, const std::optional<at::Tensor>& mask) {
   const auto h = x + attn_drop->forward(attn->forward(ln1->forward(x), mask));  // (B, T, dim)
-  return h + mlp->forward(ln2->forward(h));
+  return h + mlp_forward(ln2->forward(h));
+}
+
+// The MLP module by module, its linear layers by causal_attention::project (widened for half precision
+// where the CPU has no half arithmetic). x (..., dim) -> (..., dim).
+at::Tensor BlockImpl::mlp_forward(const at::Tensor& x) {
+  const auto optional = [](const at::Tensor& b) { return b.defined() ? std::optional<at::Tensor>(b) : std::nullopt; };
+  const auto& fc = mlp[0]->as<torch::nn::LinearImpl>();
+  const auto& out = mlp[2]->as<torch::nn::LinearImpl>();
+  const auto inner = mlp[1]->as<torch::nn::GELUImpl>()->forward(project(x, fc->weight, optional(fc->bias)));
+  return mlp[3]->as<torch::nn::DropoutImpl>()->forward(project(inner, out->weight, optional(out->bias)));
 }
 
 at::Tensor BlockImpl::forward(const at::Tensor& x, const std::optional<at::Tensor>& mask, KVCache& cache) {

@@ -65,7 +65,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from causal_attention import CausalSelfAttention
-from causal_attention.attention import backends, reference
+from causal_attention.attention import backends, decode, reference
 from helpers import BASE_SEED, rel_err
 
 PROFILE = os.environ.get("CA_FUZZ_PROFILE", "ci")
@@ -323,6 +323,12 @@ def _dead_rows(mask: Tensor | None, B: int, T: int) -> Tensor:
 # The baselines: two plain-PyTorch computations at the working dtype, independent of the engine.
 
 
+def _project(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """x (..., in) @ weight^T + bias as the layer computes it (decode.project's product)."""
+    y = decode.widened_matmul(x, weight, bias)
+    return F.linear(x, weight, bias) if y is None else y
+
+
 def _allowed(mask: Tensor | None, B: int, T: int) -> Tensor:
     """(B, T, T) bool: query t may attend key s (causal, real keys only)."""
     allowed = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
@@ -531,11 +537,14 @@ def run_layer_case(case: LayerCase) -> tuple[list[tuple[str, float, float]], lis
     def run_baseline(core: Callable[[Tensor, Tensor | None, int], Tensor]) -> list[Tensor]:
         # x.detach() keeps x's strides: torch's own bfloat16 linear is less exact on a strided x
         # (~2x on a sliced one) than on a contiguous copy, and that is not the engine's error.
+        # The layer's own projections (torch.ops.causal_attention.project: F.linear, or on a CPU without
+        # half arithmetic the engine's widened product, held to float64 in test_projection.py), so that
+        # the baselines share their rounding with the layer and the comparison measures the attention.
         xb = x.detach().requires_grad_()
         pb = [p.detach().clone().requires_grad_() for p in params]
-        qkv = F.linear(xb, pb[0], pb[1])  # (B, T, 3 * dim)
+        qkv = _project(xb, pb[0], pb[1])  # (B, T, 3 * dim)
         y_core = core(qkv, bool_mask, H)  # (B, T, dim)
-        yb = F.linear(y_core, pb[2], pb[3])  # (B, T, dim)
+        yb = _project(y_core, pb[2], pb[3])  # (B, T, dim)
         *grads, grad_qkv = torch.autograd.grad(yb, [xb, *pb, qkv], g)
         per_token.append((y_core.detach(), grad_qkv))
         return [yb.detach(), *grads]

@@ -74,6 +74,12 @@ void check_cache_positions(const int64_t* start, const int64_t* end, int64_t bat
 at::Tensor cache_end(const at::Tensor& lengths, const std::optional<at::Tensor>& key_padding_mask, int64_t new_tokens,
                      int64_t max_len);
 
+// x (..., in) @ weight^T (+ bias) -> (..., out), differentiable: the layer's and the GPT's projections.
+// at::linear, except for bfloat16/half on a CPU without arithmetic in that type
+// (!kernels::half_arithmetic), where it is kernels::widened_linear: float32's speed instead of a
+// fraction of it.
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+
 // The attention core through the dispatcher (autograd, torch.compile, every backend). With
 // dropout_p > 0 and no seed, a seed is drawn from the default CPU generator (draw_dropout_seed);
 // on other devices dropout is scaled_dot_product_attention's (its own generator; seed unused).
@@ -205,6 +211,23 @@ int64_t advise_huge_pages(const at::Tensor& tensor);
 
 // The instruction set the CPU kernel's element-wise routines were chosen for at run time.
 const char* cpu_capability();
+
+// Whether this CPU multiplies dtype natively on the engine's path: float32 and float64 always;
+// bfloat16 with AVX512-BF16 and half with AVX512-FP16, on the AVX512 path (cpu_capability).
+bool half_arithmetic(at::ScalarType dtype);
+
+// a (M, K) @ b (K, N) (+ bias (N,)) -> (M, N), bfloat16 or half operands of any strides, each output
+// summed in float32 from exact widenings (blas::gemm) and rounded once to the dtype. No autograd.
+at::Tensor widened_addmm_cpu(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias);
+at::Tensor widened_addmm_meta(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias);
+
+// x (..., in) @ weight^T (+ bias) -> (..., out) by widened_addmm, its gradients by the same products
+// (differentiable any number of times; the bias's gradient summed in float32).
+at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+
+// Whether project widens: x, weight and bias CPU tensors of one half dtype that
+// this CPU has no arithmetic for, shapes that match, no CPU autocast.
+bool project_widens(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 
 }  // namespace kernels
 }  // namespace causal_attention

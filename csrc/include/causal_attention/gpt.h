@@ -76,6 +76,8 @@ class BlockImpl : public torch::nn::Module {
   explicit BlockImpl(const GPTConfig& config);
   at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& mask);
   at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& mask, KVCache& cache);
+  // The MLP of forward without a cache, its products by causal_attention::project: (..., dim) -> (..., dim).
+  at::Tensor mlp_forward(const at::Tensor& x);
 
   LayerNorm ln1{nullptr}, ln2{nullptr};
   CausalSelfAttention attn{nullptr};

@@ -1,9 +1,13 @@
-"""The decode fast path: a step of few rows streams each weight once instead of calling BLAS.
+"""The projections' fast paths: a decode step of few rows streams each weight once instead of
+calling BLAS; half precision on a CPU without half arithmetic sums in float32 at float32's speed.
 
     y = few_rows_linear(layer, x)   # x (..., in): layer(x), streamed when x is a decode step's rows
+    y = project(layer, x)           # layer(x), widened where the CPU has no arithmetic in x's dtype
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor, nn
@@ -64,13 +68,61 @@ def _streamed_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 def few_rows_linear(layer: nn.Module, x: Tensor) -> Tensor:
     """layer(x) (x: (..., in) -> (..., out)), by the weight-streaming product of few_rows_matmul
     where x is a decode step's few rows and calling the layer would compute only its weight product
-    (_linear_weights); otherwise by calling it."""
+    (_linear_weights); otherwise as project(layer, x)."""
     if not _few_rows_step(x) or _global_forward_hooks():
-        return layer(x)
+        return project(layer, x)
     weights = _linear_weights(layer)
     if weights is None:
         return layer(x)
     return _streamed_product(x, *weights)
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _half_arithmetic(dtype: torch.dtype) -> bool:
+    return bool(torch.ops.causal_attention.half_arithmetic(dtype))
+
+
+def widens(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
+    """Whether widened_matmul takes x against these weights: x, weight and bias plain CPU tensors of
+    one half dtype this CPU has no arithmetic for (ATen's GEMMs there run at a quarter of float32's
+    speed; the engine's read the half values as they are, sum in float32 and round once), in eager
+    mode outside torch.func transforms and CPU autocast. Under torch.compile and torch.export the
+    graph keeps ATen's product."""
+    return not (
+        x.dtype not in _HALF
+        or type(x) is not Tensor
+        or x.device.type != "cpu"
+        or type(weight) not in (Tensor, nn.Parameter)
+        or weight.dtype != x.dtype
+        or weight.device.type != "cpu"
+        or (bias is not None and (type(bias) not in (Tensor, nn.Parameter) or bias.dtype != x.dtype
+                                  or bias.device.type != "cpu"))
+        or _tracing()
+        or torch._C._are_functorch_transforms_active()
+        or torch.is_autocast_enabled("cpu")
+        or not _ops.core_loaded()
+        or _half_arithmetic(x.dtype)
+    )
+
+
+def widened_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor | None:
+    """x (..., in) @ weight^T (+ bias) -> (..., out) by the engine's project op (differentiable) where
+    it widens (widens); None otherwise (the caller's usual path)."""
+    return torch.ops.causal_attention.project(x, weight, bias) if widens(x, weight, bias) else None
+
+
+def project(layer: nn.Module, x: Tensor) -> Tensor:
+    """layer(x) (x: (..., in) -> (..., out)): by widened_matmul where calling the layer would compute
+    only its weight product (_linear_weights) and widened_matmul takes x against its weights, by
+    calling the layer otherwise."""
+    if x.dtype not in _HALF or _global_forward_hooks():
+        return layer(x)
+    weights = _linear_weights(layer)
+    y = None if weights is None else widened_matmul(x, *weights)
+    return layer(x) if y is None else y
 
 
 def _tracing() -> bool:

@@ -21,6 +21,7 @@ from .decode import (
     _linear_weights,
     _tracing,
     few_rows_linear,
+    project,
 )
 
 
@@ -205,7 +206,7 @@ class CausalSelfAttention(nn.Module):
                 return fused
             y = self.attend(few_rows_linear(self.qkv, x), mask, cache=cache)  # (B, t, dim)
             return few_rows_linear(self.proj, y)  # (B, t, dim)
-        qkv = self.qkv(x)  # (B, T, 3 * dim)
+        qkv = project(self.qkv, x)  # (B, T, 3 * dim)
         if return_weights:
             dropout_p = self.dropout if self.training else 0.0
             keep = backends.dropout_keep(qkv, self.n_heads, dropout_p) if dropout_p > 0 else None  # (B, H, T, T)
@@ -213,8 +214,8 @@ class CausalSelfAttention(nn.Module):
                 qkv, mask, self.n_heads, n_kv_heads=self.n_kv_heads, return_weights=True, dropout_p=dropout_p, keep=keep
             )
             assert weights is not None
-            return self.proj(y), weights
-        return self.proj(self.attend(qkv, mask))  # (B, T, dim)
+            return project(self.proj, y), weights
+        return project(self.proj, self.attend(qkv, mask))  # (B, T, dim)
 
     def attend(self, qkv: Tensor, key_padding_mask: Tensor | None, *, cache: KVCache | None = None) -> Tensor:
         """The attention between the projections: qkv (B, T, 3 * dim; (B, T, (H + 2 Hkv) * hd) with

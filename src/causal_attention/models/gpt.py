@@ -18,7 +18,16 @@ import torch
 from torch import Tensor, nn
 
 from ..attention.cache import KVCache, advise_huge_pages
-from ..attention.decode import _tracing, few_rows_linear, few_rows_matmul
+from ..attention.decode import (
+    _HALF,
+    _global_forward_hooks,
+    _tracing,
+    few_rows_linear,
+    few_rows_matmul,
+    project,
+    widened_matmul,
+    widens,
+)
 from ..attention.module import CausalSelfAttention, normalize_key_padding_mask
 from . import checkpoint
 from .config import GPTConfig
@@ -54,17 +63,27 @@ class Block(nn.Module):
         if cache is not None:  # a decode step: a few rows, no autograd (the cache is inference-only)
             h = few_rows_linear(self.mlp[2], self.mlp[1](few_rows_linear(self.mlp[0], self.ln2(x))))
             return x + self.mlp[3](h), weights
-        x = x + self.mlp(self.ln2(x))
+        x = x + self._mlp(self.ln2(x))
         return x, weights
+
+    def _mlp(self, x: Tensor) -> Tensor:
+        """self.mlp(x) (x (..., dim) -> (..., dim)); module by module where its products may widen
+        (project: half precision on a CPU without half arithmetic) and nothing hooks the Sequential."""
+        mlp = self.mlp
+        if x.dtype in _HALF and type(mlp) is nn.Sequential and not (
+            mlp._forward_hooks or mlp._forward_pre_hooks or _global_forward_hooks()
+        ):
+            return mlp[3](project(mlp[2], mlp[1](project(mlp[0], x))))
+        return mlp(x)
 
     def forward_packed(self, x: Tensor, packing: _Packing, *, cache: KVCache | None = None) -> Tensor:
         """The same block on the real tokens only: x (N, dim) -> (N, dim). Every per-token
         operation (LayerNorms, projections, MLP) runs on the N real tokens; the attention sees them
         at their (B, T) places, with padding zeroed and masked."""
-        qkv = self.attn.qkv(self.ln1(x))  # (N, 3 * dim)
+        qkv = project(self.attn.qkv, self.ln1(x))  # (N, 3 * dim)
         y = self.attn.attend(packing.unpack(qkv), packing.mask, cache=cache)  # (B, T, dim)
-        x = x + self.attn_drop(self.attn.proj(packing.pack(y)))
-        return x + self.mlp(self.ln2(x))
+        x = x + self.attn_drop(project(self.attn.proj, packing.pack(y)))
+        return x + self._mlp(self.ln2(x))
 
 
 @dataclass(frozen=True)
@@ -179,6 +198,8 @@ class GPT(nn.Module):
         """Hidden states (..., dim) -> logits (..., V)."""
         weight = self.head_weight
         y = few_rows_matmul(h, weight)  # a decode step: W h^T
+        if y is None:
+            y = widened_matmul(h, weight)  # half precision on a CPU without half arithmetic
         return h @ weight.t() if y is None else y
 
     def forward(
@@ -220,7 +241,8 @@ class GPT(nn.Module):
         (no (N, V) temporary, no scatter); otherwise one scatter."""
         weight = self.head_weight
         lengths = packing.right_padded_lengths()
-        if lengths is None or (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
+        if (lengths is None or (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad))
+                or widens(h, weight)):
             return packing.unpack(self.logits(h))
         B, T = packing.mask.shape
         logits = h.new_empty(B, T, weight.shape[0])

@@ -1,0 +1,238 @@
+"""The projections of half-precision models on CPUs without half arithmetic: widened_addmm (half
+operands summed in float32, rounded once) and the differentiable project op that the layer and the
+GPT route their linear layers through (attention/decode.py: project, widened_matmul)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from causal_attention.attention import decode
+from helpers import isa_env
+
+HALF = (torch.bfloat16, torch.float16)
+EPS32 = torch.finfo(torch.float32).eps
+ops = torch.ops.causal_attention
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _bound(exact: torch.Tensor, magnitude: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """What a product summed in float32 and rounded once to dtype may be off from the exact result:
+    half an ulp of dtype, plus float32's summation error over k terms of total size `magnitude`."""
+    return torch.finfo(dtype).eps / 2 * exact.abs() + k * EPS32 * magnitude + torch.finfo(dtype).tiny
+
+
+def _operand(rows: int, cols: int, layout: str, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """(rows, cols) in dtype: row-major, a transposed view (column-major), or a strided slice."""
+    if layout == "transposed":
+        return torch.randn(cols, rows, generator=gen).to(dtype).t()
+    if layout == "sliced":
+        return torch.randn(rows, 2 * cols + 1, generator=gen).to(dtype)[:, 1 : 2 * cols + 1 : 2]
+    return torch.randn(rows, cols, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=_name)
+# (40, 16, 30000) and (20000, 8, 70): two blocks of columns, of rows (kWidenedBlockBytes).
+@pytest.mark.parametrize("M,K,N", [(1, 8, 3), (7, 48, 5), (113, 64, 80), (1025, 80, 17), (300, 700, 2100),
+                                   (40, 16, 30000), (20000, 8, 70)])
+@pytest.mark.parametrize("layouts", [("contiguous", "contiguous"), ("transposed", "transposed"),
+                                     ("sliced", "contiguous"), ("contiguous", "sliced")])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_widened_addmm_sums_in_float32_and_rounds_once(dtype: torch.dtype, M: int, K: int, N: int,
+                                                        layouts: tuple[str, str], with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(M * 7919 + K * 31 + N)
+    a = _operand(M, K, layouts[0], dtype, gen) * 3
+    b = _operand(K, N, layouts[1], dtype, gen)
+    bias = (torch.randn(N, generator=gen) * 4).to(dtype) if with_bias else None
+    out = ops.widened_addmm(a, b, bias)
+    assert out.dtype == dtype and out.shape == (M, N) and out.is_contiguous()
+    exact = a.double() @ b.double() + (0 if bias is None else bias.double())
+    magnitude = a.double().abs() @ b.double().abs()
+    err = (out.double() - exact).abs()
+    assert bool((err <= _bound(exact, magnitude, K, dtype)).all()), f"worst {err.max().item():.3g}"
+    # Rounded once: equal to the float32 product rounded to dtype but where their sums' orders differ.
+    once = (a.float() @ b.float() + (0 if bias is None else bias.float())).to(dtype)
+    assert (out != once).float().mean().item() <= 0.01
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=_name)
+def test_widened_addmm_empty_sizes(dtype: torch.dtype) -> None:
+    bias = torch.arange(3, dtype=dtype)
+    assert ops.widened_addmm(torch.ones(0, 4, dtype=dtype), torch.ones(4, 3, dtype=dtype), bias).shape == (0, 3)
+    out = ops.widened_addmm(torch.ones(2, 0, dtype=dtype), torch.ones(0, 3, dtype=dtype), bias)
+    assert torch.equal(out, bias.expand(2, 3))  # K = 0: the bias alone
+    assert torch.equal(ops.widened_addmm(torch.ones(2, 0, dtype=dtype), torch.ones(0, 3, dtype=dtype), None),
+                       torch.zeros(2, 3, dtype=dtype))
+
+
+def test_widened_addmm_errors_name_the_argument() -> None:
+    a, b = torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(4, 3, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"a must be \(M, K\) and b \(K, N\)"):
+        ops.widened_addmm(a, b.t(), None)
+    with pytest.raises(TypeError, match="must both be bfloat16 or both float16"):
+        ops.widened_addmm(a.float(), b.float(), None)
+    with pytest.raises(TypeError, match="must both be bfloat16 or both float16"):
+        ops.widened_addmm(a, b.half(), None)
+    with pytest.raises(ValueError, match=r"bias must have shape \(N,\) = \(3,\)"):
+        ops.widened_addmm(a, b, torch.ones(4, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="bias dtype"):
+        ops.widened_addmm(a, b, torch.ones(3))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=_name)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_project_gradients_by_the_same_products(dtype: torch.dtype, with_bias: bool) -> None:
+    """project's gradients (dx = g W, dW = g^T x, db = sum g in float32) against float64 autograd of the
+    same half values, to the bound of one float32 sum rounded once; and its double backward."""
+    gen = torch.Generator().manual_seed(5)
+    B, T, n_in, n_out = 3, 37, 48, 80
+    x = torch.randn(B, T, n_in, generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(n_out, n_in, generator=gen) / 4).to(dtype).requires_grad_()
+    b = torch.randn(n_out, generator=gen).to(dtype).requires_grad_() if with_bias else None
+    g = torch.randn(B, T, n_out, generator=gen).to(dtype)
+    y = ops.project(x, w, b)
+    grads = torch.autograd.grad(y, [t for t in (x, w, b) if t is not None], g, create_graph=True)
+
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    b64 = None if b is None else b.detach().double().requires_grad_()
+    y64 = torch.nn.functional.linear(x64, w64, b64)
+    exact = torch.autograd.grad(y64, [t for t in (x64, w64, b64) if t is not None], g.double())
+    g64, xa, wa = g.double().abs(), x64.detach().abs(), w64.detach().abs()
+    magnitudes = [(g64 @ wa, n_out), (g64.flatten(0, 1).t() @ xa.flatten(0, 1), B * T), (g64.sum((0, 1)), B * T)]
+    out_bound = _bound(y64.detach(), xa @ wa.t(), n_in, dtype)
+    assert bool(((y.detach().double() - y64.detach()).abs() <= out_bound).all())
+    for got, want, (magnitude, k) in zip(grads, exact, magnitudes):
+        assert got.dtype == dtype
+        assert bool(((got.detach().double() - want).abs() <= _bound(want, magnitude, k, dtype)).all())
+
+    # Double backward: d/dW sum(h * dx) = g^T h, since dx = g W.
+    h = torch.randn(B, T, n_in, generator=gen).to(dtype)
+    (ggw,) = torch.autograd.grad((grads[0] * h).sum(), [w])
+    want = g.double().flatten(0, 1).t() @ h.double().flatten(0, 1)
+    bound = _bound(want, g64.flatten(0, 1).t() @ h.double().abs().flatten(0, 1), B * T, dtype)
+    assert bool(((ggw.double() - want).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64, *HALF), ids=_name)
+def test_project_is_aten_linear_where_it_does_not_widen(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x, w, b = (torch.randn(*s, generator=gen).to(dtype) for s in ((4, 9, 16), (24, 16), (24,)))
+    if dtype in HALF and not ops.half_arithmetic(dtype):
+        pytest.skip("this CPU widens half products (checked against float64 above)")
+    assert torch.equal(ops.project(x, w, b), torch.nn.functional.linear(x, w, b))
+    assert decode.widened_matmul(x, w, b) is None
+
+
+def _cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_half_arithmetic_follows_the_cpu_and_the_engine_path() -> None:
+    assert ops.half_arithmetic(torch.float32) and ops.half_arithmetic(torch.float64)
+    flags, avx512 = _cpu_flags(), ops.cpu_capability() == "AVX512"
+    if flags:
+        assert ops.half_arithmetic(torch.bfloat16) == (avx512 and "avx512_bf16" in flags)
+        assert ops.half_arithmetic(torch.float16) == (avx512 and "avx512_fp16" in flags)
+    with pytest.raises(ValueError, match="floating type"):
+        ops.half_arithmetic(torch.int32)
+
+
+# On the AVX2 path (where this CPU has it) half products widen: the layer and the GPT route every
+# projection through widened_addmm, forward and backward, and match float64 as closely as ATen does.
+_ROUTED = r"""
+import json, sys, torch
+from torch import nn
+from causal_attention import CausalSelfAttention
+from causal_attention.attention import decode, reference
+from causal_attention.models import GPT, GPTConfig
+
+half_arithmetic = decode._half_arithmetic
+
+torch.set_num_threads(2)
+out = {"half_arithmetic": [bool(torch.ops.causal_attention.half_arithmetic(d)) for d in (torch.bfloat16, torch.float16)]}
+
+def widened_calls(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "causal_attention::widened_addmm")
+
+def rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1)).item()
+
+gen = torch.Generator().manual_seed(0)
+for dtype in (torch.bfloat16, torch.float16):
+    name = str(dtype).removeprefix("torch.")
+    layer = CausalSelfAttention(64, 4)
+    x = torch.randn(2, 33, 64, generator=gen)
+    mask = torch.arange(33)[None] < torch.tensor([33, 20])[:, None]
+    g = torch.randn(2, 33, 64, generator=gen)
+    # The half layer's weights, exactly, in float64.
+    weights = [t.to(dtype).double() for t in (layer.qkv.weight, layer.qkv.bias, layer.proj.weight, layer.proj.bias)]
+    x64 = x.to(dtype).double().requires_grad_()
+    y64 = reference.causal_self_attention(x64, *weights, 4, mask)
+    (gx64,) = torch.autograd.grad(y64, x64, g.double())
+    errors = {}
+    for route in ("widened", "aten"):
+        half = CausalSelfAttention(64, 4).to(dtype)
+        half.load_state_dict(layer.state_dict())
+        if route == "aten":  # a forward hook on the projections: they are called as modules
+            for lin in (half.qkv, half.proj):
+                lin.register_forward_hook(lambda m, i, o: None)
+        xh = x.to(dtype).requires_grad_()
+        holder = {}
+        def step():
+            holder["y"] = half(xh, mask)
+            holder["y"].backward(g.to(dtype))
+        calls = widened_calls(step)
+        errors[route] = {"calls": calls, "out": rel(holder["y"], y64.detach()), "grad_x": rel(xh.grad, gx64)}
+    out[name] = errors
+    gpt = GPT(GPTConfig(vocab_size=50, max_len=16, dim=32, n_layers=2, n_heads=2)).to(dtype)
+    tokens = torch.randint(0, 50, (2, 16), generator=gen)
+    with torch.no_grad():
+        ref = GPT(GPTConfig(vocab_size=50, max_len=16, dim=32, n_layers=2, n_heads=2)).double()
+        ref.load_state_dict({k: v.double() for k, v in gpt.state_dict().items()})
+        exact = ref(tokens)
+        holder = {}
+        calls = widened_calls(lambda: holder.setdefault("widened", gpt(tokens)))
+        decode._half_arithmetic = lambda dtype: True  # as on a CPU with half arithmetic: ATen's products
+        aten_calls = widened_calls(lambda: holder.setdefault("aten", gpt(tokens)))
+        decode._half_arithmetic = half_arithmetic
+        out[name]["gpt"] = {"calls": calls, "aten_calls": aten_calls, "widened": rel(holder["widened"], exact),
+                            "aten": rel(holder["aten"], exact)}
+print(json.dumps(out))
+"""
+
+
+def test_layer_and_gpt_widen_their_projections_on_the_avx2_path() -> None:
+    if "avx2" not in _cpu_flags():
+        pytest.skip("this CPU has no AVX2 path to force")
+    env = isa_env("avx2", OMP_NUM_THREADS="2")
+    run = subprocess.run([sys.executable, "-c", _ROUTED], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["half_arithmetic"] == [False, False]
+    for dtype in HALF:
+        r = result[_name(dtype)]
+        # forward: qkv and proj; backward: dx and dW of each
+        assert r["widened"]["calls"] == 6 and r["aten"]["calls"] == 0, r
+        for what in ("out", "grad_x"):
+            # As close to float64 as ATen's own half products (2x: the two round differently).
+            assert r["widened"][what] <= 2 * r["aten"][what] + torch.finfo(dtype).eps, (what, r)
+        # 2 layers x (qkv, proj, fc, out) + the head
+        gpt = r["gpt"]
+        assert gpt["calls"] == 9 and gpt["aten_calls"] == 0, gpt
+        assert gpt["widened"] <= 2 * gpt["aten"] + torch.finfo(dtype).eps, gpt
+
