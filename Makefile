@@ -72,6 +72,7 @@ bench: install
 	$(PY) -m causal_attention bench
 	$(PY) -m causal_attention bench-transformers
 	$(PY) -m causal_attention bench-deploy
+	$(PY) -m causal_attention bench-half
 
 # The C++ tests under AddressSanitizer and UndefinedBehaviorSanitizer (a separate build).
 ASAN_BUILD := build/sanitize

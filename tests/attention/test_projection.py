@@ -236,3 +236,19 @@ def test_layer_and_gpt_widen_their_projections_on_the_avx2_path() -> None:
         assert gpt["calls"] == 9 and gpt["aten_calls"] == 0, gpt
         assert gpt["widened"] <= 2 * gpt["aten"] + torch.finfo(dtype).eps, gpt
 
+
+def test_bench_half_quick(tmp_path: Path) -> None:
+    """bench-half at tiny sizes: a layer row and a prefill row per dtype, each section naming the ISA
+    and the projections' route as half_arithmetic says, the files written."""
+    from causal_attention.tools.bench import half as bench_half
+
+    report = bench_half.main(out_dir=tmp_path, repeats=1, quick=True)
+    rows = report["rows"]
+    assert len(rows) == 4 and all(r["ours_ms"] > 0 and r["theirs_ms"] > 0 for r in rows)
+    for dtype in HALF:
+        widened = not ops.half_arithmetic(dtype)
+        assert ("widened" in report["routes"][_name(dtype)]) == widened
+        assert sum(f" {_name(dtype)} vs float32 ({report['cpu_capability']}" in r["section"] for r in rows) == 2
+    assert (tmp_path / "bench_half.json").stat().st_size > 0 and (tmp_path / "bench_half.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="dtypes must be a non-empty selection"):
+        bench_half.main(out_dir=tmp_path, repeats=1, quick=True, dtypes=(torch.float32,))

@@ -1,5 +1,5 @@
 """The causal_attention commands: python -m causal_attention {check, bench, bench-transformers,
-bench-deploy, demo, convert} (--help after a command for its options)."""
+bench-deploy, bench-half, demo, convert} (--help after a command for its options)."""
 
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         return commands.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter)
 
     adders = {"check": _add_check, "bench": _add_bench, "bench-transformers": _add_bench_transformers,
-              "bench-deploy": _add_bench_deploy, "demo": _add_demo, "convert": _add_convert}
+              "bench-deploy": _add_bench_deploy, "bench-half": _add_bench_half, "demo": _add_demo,
+              "convert": _add_convert}
     return parser, {name: add(command) for name, add in adders.items()}
 
 
@@ -140,6 +141,16 @@ def _add_bench_deploy(command: _Command) -> argparse.ArgumentParser:
     return bench_dep
 
 
+def _add_bench_half(command: _Command) -> argparse.ArgumentParser:
+    bench_half = command("bench-half", help="bfloat16 and float16 against float32 on this CPU (the layer's "
+                         "forward+backward, GPT-2's prefill), with the projections' route and a plot")
+    bench_half.add_argument("--repeats", type=_positive, default=5, help="interleaved timing rounds (median)")
+    bench_half.add_argument("--out", type=Path, default=Path("bench_out"),
+                            help="where to write bench_half.json and bench_half.png")
+    bench_half.add_argument("--quick", action="store_true", help="a tiny layer and model (a smoke test)")
+    return bench_half
+
+
 def _add_demo(command: _Command) -> argparse.ArgumentParser:
     demo = command("demo", help="train a tiny GPT on digit reversal, then generate with the KV cache")
     demo.add_argument("--steps", type=_positive, default=1500, help="training steps")
@@ -178,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     runners = {"check": _run_check, "bench": _run_bench, "bench-transformers": _run_bench_transformers,
-               "bench-deploy": _run_bench_deploy, "demo": _run_demo, "convert": _run_convert}
+               "bench-deploy": _run_bench_deploy, "bench-half": _run_bench_half, "demo": _run_demo,
+               "convert": _run_convert}
     runners[args.command](args, parsers[args.command])
 
 
@@ -221,6 +233,12 @@ def _run_bench_deploy(args: argparse.Namespace, parser: argparse.ArgumentParser)
     from .bench import deploy as bench_deploy
 
     bench_deploy.main(out_dir=args.out, repeats=args.repeats, quick=args.quick, peers=tuple(args.peers))
+
+
+def _run_bench_half(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from .bench import half as bench_half
+
+    bench_half.main(out_dir=args.out, repeats=args.repeats, quick=args.quick)
 
 
 def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

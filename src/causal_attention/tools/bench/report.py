@@ -93,9 +93,10 @@ class Row:
     ratio: float  # theirs_ms / ours_ms: above 1, ours is faster
 
 
-def print_rows(rows: list[Row], skipped: list[str], console: Console | None = None) -> None:
+def print_rows(rows: list[Row], skipped: list[str], console: Console | None = None, *,
+               title: str = "causal_attention in transformers (medians of interleaved runs; x = theirs / ours)") -> None:
     console = console or Console(width=max(Console().width, 140))
-    table = Table(title="causal_attention in transformers (medians of interleaved runs; x = theirs / ours)")
+    table = Table(title=title)
     for col in ("section", "row", "ours ms", "theirs ms", "x"):
         table.add_column(col, justify="left" if col in ("section", "row") else "right")
     for r in rows:
