@@ -2,6 +2,10 @@
 // that the online softmax and the decode kernel share.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
 #include "cpu/vec.h"
 
 namespace causal_attention::tile::CPU_CAPABILITY {
@@ -50,7 +54,30 @@ inline Vec<float> exp_vec(const Vec<float>& x) {
 #endif
 }
 
-// dst[j] = exp(scale * x[j] - shift) for j < n, rounded to out_t where narrower, as Rounding rounds
+// The row shift of the exponent for a row whose largest raw score is x: scale * x rounded down (toward
+// -inf), so that exp_scaled_to's argument at that score is the product's residual (>= 0), which it clamps
+// to 0: the row's largest key weighs exactly 1. With one key O = v exactly, and the backward's
+// dS = P (dP - dO . O) is exactly 0 there (rounding to nearest left exp(residual) != 1, and dQ, dK a
+// residue of 2.8e-5 at scores of std 8).
+template <typename acc_t>
+inline acc_t scaled_max(acc_t scale, acc_t x) {
+  const acc_t product = scale * x;
+  return std::fma(x, scale, -product) < 0 ? std::nextafter(product, -std::numeric_limits<acc_t>::infinity())
+                                          : product;  // -inf, +inf and NaN as they are
+}
+
+// min(x, 0) lane by lane, NaN kept (a NaN score stays NaN).
+inline Vec<float> clamp_nonpositive(const Vec<float>& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_min_ps(_mm512_setzero_ps(), x);  // the second operand where either is NaN
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_min_ps(_mm256_setzero_ps(), x);
+#else
+  return at::vec::minimum(x, Vec<float>(0.f));
+#endif
+}
+
+// dst[j] = exp(min(scale * x[j] - shift, 0)) for j < n, rounded to out_t where narrower, as Rounding rounds
 // (dst may be x, in place); returns the sum of the unrounded values. -inf entries give 0. One order of
 // operations for every out_t, so P in place and P rounded as it is made hold the same values and sums.
 // float: the tail in a last vector whose lanes past n read -inf (so add 0); the lanes summed at the end.
@@ -65,7 +92,7 @@ inline acc_t exp_scaled_to(const acc_t* x, int64_t n, acc_t scale, acc_t shift, 
     const Vec<float> vshift(shift);
     Vec<float> vsum(0.f);
     for (; j + W <= n; j += W) {
-      const auto e = exp_vec(at::vec::fmsub(Vec<float>::loadu(x + j), vscale, vshift));
+      const auto e = exp_vec(clamp_nonpositive(at::vec::fmsub(Vec<float>::loadu(x + j), vscale, vshift)));
       if constexpr (std::is_same_v<out_t, float>) {
         e.store(dst + j);
       } else {
@@ -75,7 +102,7 @@ inline acc_t exp_scaled_to(const acc_t* x, int64_t n, acc_t scale, acc_t shift, 
     }
     if (j < n) {
       const int64_t rest = n - j;
-      const auto e = exp_vec(at::vec::fmsub(load_first(x + j, rest, kNegInf<float>), vscale, vshift));
+      const auto e = exp_vec(clamp_nonpositive(at::vec::fmsub(load_first(x + j, rest, kNegInf<float>), vscale, vshift)));
       if constexpr (std::is_same_v<out_t, float>) {
         e.store(dst + j, rest);
       } else {
@@ -87,7 +114,7 @@ inline acc_t exp_scaled_to(const acc_t* x, int64_t n, acc_t scale, acc_t shift, 
     sum = lanes_sum(vsum);
   }
   for (; j < n; ++j) {
-    const acc_t e = std::exp(x[j] * scale - shift);  // double (float is done above)
+    const acc_t e = std::exp(std::min(x[j] * scale - shift, acc_t(0)));  // double (float is done above); NaN kept
     dst[j] = static_cast<out_t>(e);
     sum += e;
   }

@@ -334,8 +334,9 @@ def test_micro_kernel_one_key_gives_exact_zero_query_gradient(capability):
     AVX512-BF16): the single weight is 1 whatever q is, so dQ = dS k with dS = P (dP - delta) is 0. delta =
     dO . O is summed in the kernel's order, so it cancels dP = dO . v bit for bit where O is exactly v:
     bfloat16 and float16 (O rounded back to v) get exactly 0 (ATen's sum of delta left ~1e-5 there).
-    In float32 O = (P v) / P with P = exp(rounding residue) ~ 1 + 1e-7, so only a rounding residue is left
-    (the float32 fuzz run caught 1.2e-5 of relative error from it before delta was summed this way)."""
+    In float32 the row's largest key weighs exactly 1 (exp.h, scaled_max: the shift rounded down, the
+    exponent clamped to 0), so O = v exactly: before, P = exp(rounding residue) ~ 1 + 1e-7 left a residue
+    of 1e-5 (and make fuzz caught 2.8e-5 of relative error at scores of std 8)."""
     default = torch.backends.cpu.get_cpu_capability()
     if default == "DEFAULT" or (capability == "avx512" and default != "AVX512"):
         pytest.skip(f"this CPU has no {capability.upper()}")
@@ -346,4 +347,4 @@ def test_micro_kernel_one_key_gives_exact_zero_query_gradient(capability):
     for line in lines:
         name, dtype, dq = line.split()
         assert name == capability.upper(), line
-        assert float(dq) <= (1e-4 if dtype == "torch.float32" else 0.0), line
+        assert float(dq) <= (1e-12 if dtype == "torch.float32" else 0.0), line

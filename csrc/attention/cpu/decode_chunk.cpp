@@ -206,7 +206,7 @@ inline void decode_row(const acc_t* q, const scalar_t* k, const scalar_t* v, int
   for (; j < visible; ++j) {
     dot_rows<1>(q, k + j * ld, ld, hd, buf + j);
   }
-  const acc_t m_new = std::max(scale * max_of(buf, visible), m);  // a NaN score stays (NaN out)
+  const acc_t m_new = std::max(scaled_max(scale, max_of(buf, visible)), m);  // a NaN score stays (NaN out)
   const acc_t alpha = std::exp(m - m_new);  // 0 when m = -inf
   l = l * alpha + exp_scaled_inplace(buf, visible, scale, m_new);
   m = m_new;
@@ -383,7 +383,7 @@ void decode_group(const float* q, int64_t first_row, const scalar_t* k, const sc
     if (visible(r) == 0) {
       continue;
     }
-    const float m_new = std::max(scale * max_of(sr, visible(r)), m[r]);  // a NaN score stays (NaN out)
+    const float m_new = std::max(scaled_max(scale, max_of(sr, visible(r))), m[r]);  // a NaN score stays (NaN out)
     const float alpha = std::exp(m[r] - m_new);  // 0 when m = -inf
     l[r] = l[r] * alpha + exp_scaled_inplace(sr, visible(r), scale, m_new);
     m[r] = m_new;

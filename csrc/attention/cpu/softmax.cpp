@@ -118,7 +118,7 @@ void softmax_rows(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t sca
       x = buf;
     }
     // scale > 0, so the max of the scaled row is scale times the max of the raw row.
-    const acc_t m_new = std::max(scale * max_of(x, n), m[i]);  // a NaN score first: it stays (NaN out)
+    const acc_t m_new = std::max(scaled_max(scale, max_of(x, n)), m[i]);  // a NaN score first: it stays (NaN out)
     if (m_new == kNegInf<acc_t>) {  // no allowed key yet: the row stays empty
       alpha[i] = 1;
       zero_fill(p_row, cols);
