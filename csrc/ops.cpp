@@ -339,17 +339,7 @@ TORCH_LIBRARY_IMPL(causal_attention, CompositeExplicitAutograd, m) {
   m.impl("mask_to_bool", &mask_to_bool);
   m.impl("cache_end", &cache_end);
   m.impl("cache_zeros", &kernels::cache_zeros);
-  m.impl("project", [](const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias) {
-    if (kernels::project_widens(x, weight, bias)) {
-      return kernels::widened_addmm_cpu(x.reshape({-1, x.size(-1)}), weight.t(), bias)
-          .view([&] {
-            auto sizes = x.sizes().vec();
-            sizes.back() = weight.size(0);
-            return sizes;
-          }());
-    }
-    return at::linear(x, weight, bias);
-  });
+  m.impl("project", &kernels::project_no_autograd);
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {

@@ -151,14 +151,34 @@ at::Tensor widened_addmm_meta(const at::Tensor& a, const at::Tensor& b, const st
   return at::empty_symint({a.sym_size(0), b.sym_size(1)}, a.options());
 }
 
-at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+namespace {
+// x (..., in) against weight (out, in) as a 2-D product: product(x (rows, in), weight^T (in, out)) ->
+// (rows, out), viewed back as (..., out).
+template <typename Product>
+at::Tensor as_linear(const at::Tensor& x, const at::Tensor& weight, Product product) {
   TORCH_CHECK_VALUE(x.dim() >= 1 && weight.dim() == 2 && weight.size(1) == x.size(-1),
                     "widened_linear: x must be (..., in) and weight (out, in); got x ", x.sizes(), " and weight ",
                     weight.sizes());
-  const auto y = WidenedAddmm::apply(x.reshape({-1, x.size(-1)}), weight.t(), bias);  // (rows, out)
+  const at::Tensor y = product(x.reshape({-1, x.size(-1)}), weight.t());  // (rows, out)
   auto sizes = x.sizes().vec();
   sizes.back() = weight.size(0);
   return y.view(sizes);
+}
+}  // namespace
+
+at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return as_linear(x, weight, [&](const at::Tensor& x2, const at::Tensor& wt) {
+    return WidenedAddmm::apply(x2, wt, bias);
+  });
+}
+
+at::Tensor project_no_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  if (!project_widens(x, weight, bias)) {
+    return at::linear(x, weight, bias);
+  }
+  return as_linear(x, weight, [&](const at::Tensor& x2, const at::Tensor& wt) {
+    return widened_addmm_cpu(x2, wt, bias);
+  });
 }
 
 bool project_widens(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {

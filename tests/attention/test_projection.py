@@ -123,11 +123,16 @@ def test_project_gradients_by_the_same_products(dtype: torch.dtype, with_bias: b
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64, *HALF), ids=_name)
-def test_project_is_aten_linear_where_it_does_not_widen(dtype: torch.dtype) -> None:
+def test_project_is_aten_linear_or_the_widened_product(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
     x, w, b = (torch.randn(*s, generator=gen).to(dtype) for s in ((4, 9, 16), (24, 16), (24,)))
-    if dtype in HALF and not ops.half_arithmetic(dtype):
-        pytest.skip("this CPU widens half products (checked against float64 above)")
+    if dtype in HALF and not ops.half_arithmetic(dtype):  # this CPU widens: the widened product, bit for bit
+        widened = ops.widened_addmm(x.reshape(-1, 16), w.t(), b).view(4, 9, 24)
+        assert torch.equal(ops.project(x, w, b), widened)
+        assert torch.equal(decode.widened_matmul(x, w, b), widened)
+        with torch.inference_mode():  # the op below autograd
+            assert torch.equal(ops.project(x, w, b), widened)
+        return
     assert torch.equal(ops.project(x, w, b), torch.nn.functional.linear(x, w, b))
     assert decode.widened_matmul(x, w, b) is None
 

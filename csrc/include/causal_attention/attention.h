@@ -225,6 +225,9 @@ at::Tensor widened_addmm_meta(const at::Tensor& a, const at::Tensor& b, const st
 // (differentiable any number of times; the bias's gradient summed in float32).
 at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 
+// project below autograd (the op's CompositeExplicitAutograd kernel): the same product, no graph.
+at::Tensor project_no_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+
 // Whether project widens: x, weight and bias CPU tensors of one half dtype that
 // this CPU has no arithmetic for, shapes that match, no CPU autocast.
 bool project_widens(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
