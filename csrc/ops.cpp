@@ -17,6 +17,7 @@
 //   project(x, weight, bias) -> y           differentiable; half on CPUs without half arithmetic: widened
 //   widened_addmm(a, b, bias) -> c          a @ b + bias, half operands summed in float32, rounded once
 //   half_arithmetic(dtype) -> bool          whether project leaves dtype to ATen here
+//   unrounded_linear(x, weight, bias) -> y  x @ weight^T + bias summed in float32, not rounded back to half
 //   mask_to_bool(key_padding_mask) -> mask                              checks an integer mask's values
 //   cache_end(lengths, key_padding_mask, new_tokens, max_len) -> end    checks a cache step
 //   cache_zeros(size, dtype, device=None) -> zeros                     a KV cache buffer, on the CPU on huge pages
@@ -314,6 +315,7 @@ TORCH_LIBRARY(causal_attention, m) {
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("project(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("widened_addmm(Tensor a, Tensor b, Tensor? bias) -> Tensor");
+  m.def("unrounded_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("half_arithmetic(ScalarType dtype) -> bool");
   m.def("cache_zeros(int[] size, ScalarType dtype, Device? device=None) -> Tensor");
   m.def("advise_huge_pages(Tensor tensor) -> int");
@@ -330,6 +332,7 @@ TORCH_LIBRARY_IMPL(causal_attention, Autograd, m) {
   m.impl("few_rows_linear", torch::autograd::autogradNotImplementedFallback());  // inference only
   m.impl("project", &causal_attention::project);                              // its own autograd where it widens
   m.impl("widened_addmm", torch::autograd::autogradNotImplementedFallback());  // differentiated by project
+  m.impl("unrounded_linear", torch::autograd::autogradNotImplementedFallback());  // inference only
   m.impl("decode_layer", torch::autograd::autogradNotImplementedFallback());     // inference only
   m.impl("advise_huge_pages", torch::autograd::autogradNotImplementedFallback());  // no tensor out
 }
@@ -358,6 +361,7 @@ TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {
     return at::linear(x, weight, bias);  // ATen's shapes and checks
   });
   m.impl("widened_addmm", &kernels::widened_addmm_meta);
+  m.impl("unrounded_linear", &kernels::unrounded_linear_meta);
   m.impl("decode_layer", &decode_layer_meta);
   m.impl("advise_huge_pages", [](const at::Tensor&) -> int64_t { return 0; });  // no memory to advise
 }
@@ -372,6 +376,7 @@ TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
   m.impl("decode_attention", &kernels::decode_attention_cpu);
   m.impl("few_rows_linear", &kernels::few_rows_linear_cpu);
   m.impl("widened_addmm", &kernels::widened_addmm_cpu);
+  m.impl("unrounded_linear", &kernels::unrounded_linear_cpu);
   m.impl("decode_layer", &kernels::decode_layer_cpu);
   m.impl("advise_huge_pages", &kernels::advise_huge_pages);
 }

@@ -107,6 +107,12 @@ struct TileOps {
   // pair_gemm).
   void (*linear_rows_pairs)(const scalar_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias,
                             int64_t o0, int64_t o1, scalar_t* y, int64_t ld_y);
+  // linear_rows and linear_rows_pairs with the sums returned unrounded, in acc_t (float32 logits of a
+  // half model; the same sums, so rounding them to scalar_t gives linear_rows' bits).
+  void (*linear_rows_acc)(const acc_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias,
+                          int64_t o0, int64_t o1, acc_t* y, int64_t ld_y);
+  void (*linear_rows_pairs_acc)(const scalar_t* x, int64_t rows, int64_t in, const scalar_t* w,
+                                const scalar_t* bias, int64_t o0, int64_t o1, acc_t* y, int64_t ld_y);
 
   // bfloat16 only, where the CPU has AVX512-BF16 (else nullptr): the pair micro-kernel. C (m x n,
   // float32, ldc) = A . B, or C += A . B when accumulate, over k2 pairs of k: pair (i, p) of A is the two

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <type_traits>
 
 #include "cpu/tile_ops.h"
 
@@ -37,8 +38,9 @@ class FewRowsProduct {
         bias_(bias.has_value() ? bias->contiguous() : at::Tensor()) {}
 
   // Every output feature, blocks of kFewRowsBlock split between the threads: y[m * ld_y + o] for
-  // every row m and o < out.
-  void all(scalar_t* y, int64_t ld_y) const {
+  // every row m and o < out; y is scalar_t (rounded once) or acc_t (the sums as they are).
+  template <typename y_t>
+  void all(y_t* y, int64_t ld_y) const {
     const int64_t out = weight_.size(0);
     TORCH_INTERNAL_ASSERT_DEBUG_ONLY(ld_y >= out);
     at::parallel_for(0, (out + kFewRowsBlock - 1) / kFewRowsBlock, 1, [&](int64_t begin, int64_t end) {
@@ -47,13 +49,22 @@ class FewRowsProduct {
   }
 
   // y[m * ld_y + o] = x[m] . weight[o] (+ bias[o]) for every row m and o0 <= o < o1.
-  void operator()(int64_t o0, int64_t o1, scalar_t* y, int64_t ld_y) const {
+  template <typename y_t>
+  void operator()(int64_t o0, int64_t o1, y_t* y, int64_t ld_y) const {
+    static_assert(std::is_same_v<y_t, scalar_t> || std::is_same_v<y_t, acc_t>);
     const scalar_t* w = weight_.const_data_ptr<scalar_t>();
     const scalar_t* b = bias_.defined() ? bias_.const_data_ptr<scalar_t>() : nullptr;
+    constexpr bool kRounded = std::is_same_v<y_t, scalar_t>;
     if (ops_.linear_rows_pairs != nullptr) {
-      ops_.linear_rows_pairs(x_.const_data_ptr<scalar_t>(), rows_, in_, w, b, o0, o1, y, ld_y);
-    } else {
+      if constexpr (kRounded) {
+        ops_.linear_rows_pairs(x_.const_data_ptr<scalar_t>(), rows_, in_, w, b, o0, o1, y, ld_y);
+      } else {
+        ops_.linear_rows_pairs_acc(x_.const_data_ptr<scalar_t>(), rows_, in_, w, b, o0, o1, y, ld_y);
+      }
+    } else if constexpr (kRounded) {
       ops_.linear_rows(x_.const_data_ptr<acc_t>(), rows_, in_, w, b, o0, o1, y, ld_y);
+    } else {
+      ops_.linear_rows_acc(x_.const_data_ptr<acc_t>(), rows_, in_, w, b, o0, o1, y, ld_y);
     }
   }
 

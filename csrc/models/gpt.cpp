@@ -367,13 +367,20 @@ at::Tensor GPTImpl::embed(const at::Tensor& tokens, const at::Tensor& offset) {
   return drop->forward(tok->forward(tokens) + pos->forward(positions));  // (B, T, dim)
 }
 
-at::Tensor GPTImpl::logits(const at::Tensor& h) const { return few_rows_linear(h, head_weight(), at::Tensor()); }
+at::Tensor GPTImpl::logits(const at::Tensor& h, bool float32) const {
+  const auto dtype = h.scalar_type();
+  if (float32 && (dtype == at::kBFloat16 || dtype == at::kHalf)) {
+    return unrounded_linear(h, head_weight(), at::Tensor());
+  }
+  return few_rows_linear(h, head_weight(), at::Tensor());
+}
 
-at::Tensor GPTImpl::forward(const at::Tensor& tokens, const std::optional<at::Tensor>& key_padding_mask) {
+at::Tensor GPTImpl::forward(const at::Tensor& tokens, const std::optional<at::Tensor>& key_padding_mask,
+                            bool float32_logits) {
   auto x = embed(tokens, at::zeros({tokens.dim() == 2 ? tokens.size(0) : 0}, at::kLong));  // (B, T, dim)
   const auto mask = normalize_key_padding_mask(key_padding_mask, x);                        // (B, T) bool or none
   for (const auto& block : *blocks) x = block->as<BlockImpl>()->forward(x, mask);
-  const auto out = logits(ln_f->forward(x));  // (B, T, V)
+  const auto out = logits(ln_f->forward(x), float32_logits);  // (B, T, V)
   return mask.has_value() ? out.masked_fill(mask->logical_not().unsqueeze(-1), 0) : out;
 }
 
@@ -430,7 +437,7 @@ GenerateResult GPTImpl::generate(const std::vector<std::vector<int64_t>>& prompt
   std::vector<at::Tensor> kept;
   auto caches = make_caches(B, positions);
   const auto h = hidden_states(tokens, mask, caches);                                    // (B, longest, dim)
-  auto last = logits(h.index({at::arange(B, at::kLong), lengths - 1}));                  // (B, V)
+  auto last = logits(h.index({at::arange(B, at::kLong), lengths - 1}), options.float32_logits);  // (B, V)
   for (int64_t step = 0; step < options.max_new_tokens; ++step) {
     if (options.keep_logits) kept.push_back(last.clone());
     const auto next = choose(last).to(at::kLong).contiguous();  // (B,)
@@ -441,7 +448,7 @@ GenerateResult GPTImpl::generate(const std::vector<std::vector<int64_t>>& prompt
     }
     if (std::all_of(done.begin(), done.end(), [](bool d) { return d; }) || step == options.max_new_tokens - 1) break;
     const auto hs = hidden_states(next.unsqueeze(1), std::nullopt, caches);  // (B, 1, dim)
-    last = logits(hs.select(1, 0));                                          // (B, V)
+    last = logits(hs.select(1, 0), options.float32_logits);                  // (B, V)
   }
   if (options.keep_logits) result.step_logits = at::stack(kept, 1);  // (B, steps, V)
   return result;

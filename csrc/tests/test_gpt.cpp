@@ -218,6 +218,39 @@ TEST(GPT, GenerateMatchesTheFullForward) {
   }
 }
 
+// A bfloat16/half model chooses from its head's float32 sums by default (GenerateOptions::float32_logits):
+// float32 step logits that round to the model's own logits (the same hidden states, one rounding
+// apart), each step's token their argmax; without the option, the model's dtype.
+TEST(GPT, HalfModelsGenerateFromFloat32Logits) {
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    torch::manual_seed(12);
+    auto model = random_model(small_config(true, false), dtype);
+    const std::vector<std::vector<int64_t>> prompts{{1, 2, 3, 4, 5}, {6}, {7, 8, 9}};
+    causal_attention::GenerateOptions options;
+    options.max_new_tokens = 5;
+    options.keep_logits = true;
+    const auto wide = model->generate(prompts, options);
+    ASSERT_EQ(wide.step_logits.scalar_type(), torch::kFloat32);
+    options.float32_logits = false;
+    const auto rounded = model->generate(prompts, options);
+    ASSERT_EQ(rounded.step_logits.scalar_type(), dtype);
+    for (size_t b = 0; b < prompts.size(); ++b) {
+      for (size_t s = 0; s < wide.tokens[b].size(); ++s) {
+        const auto step = wide.step_logits[static_cast<int64_t>(b)][static_cast<int64_t>(s)];
+        EXPECT_EQ(wide.tokens[b][s], step.argmax().item<int64_t>()) << "prompt " << b << " step " << s;
+      }
+    }
+    // The first step sees the same hidden states either way: the float32 logits round to the dtype's.
+    EXPECT_TRUE(torch::equal(wide.step_logits.select(1, 0).to(dtype), rounded.step_logits.select(1, 0)));
+    torch::NoGradGuard no_grad;
+    const auto tokens = torch::tensor({1, 2, 3, 4, 5}).unsqueeze(0);
+    const auto full = model->forward(tokens, std::nullopt, true);
+    ASSERT_EQ(full.scalar_type(), torch::kFloat32);
+    EXPECT_TRUE(torch::allclose(full.to(dtype).to(torch::kFloat32), model->forward(tokens).to(torch::kFloat32), 0,
+                                0));
+  }
+}
+
 TEST(GPT, GenerateStopsAtEosAndSamplesReproducibly) {
   torch::manual_seed(3);
   const auto config = small_config();

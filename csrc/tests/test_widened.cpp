@@ -1,7 +1,7 @@
 // The projections of half-precision models on CPUs without half arithmetic (csrc/linear/widened.cpp):
 // widened_linear's output and its C++ autograd gradients against float64 over the same half values,
 // within the bound of a float32 sum rounded once; project routing to it exactly where
-// project_widens says, and to at::linear bit for bit elsewhere.
+// project_widens says, and to at::linear bit for bit elsewhere; unrounded_linear's float32 sums.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -9,6 +9,7 @@
 #include <string>
 
 #include "causal_attention/attention.h"
+#include "causal_attention/module.h"
 
 namespace {
 
@@ -79,6 +80,54 @@ TEST_P(Widened, AddmmRefusesWhatItCannotTake) {
   EXPECT_THROW(ca::kernels::widened_addmm_cpu(a, b, torch::ones({4}, dtype)), c10::ValueError);
   EXPECT_THROW(ca::kernels::widened_linear(torch::ones({2, 5}, dtype), torch::ones({3, 4}, dtype), std::nullopt),
                c10::ValueError);
+}
+
+// unrounded_linear (a half model's float32 logits): float32 within the summation bound of the float64
+// product of the same half values, not rounded to the dtype, on both row paths (streamed up to 32 rows,
+// blas::gemm past them); a decode step's sums rounded are few_rows_linear_cpu's bits.
+TEST_P(Widened, UnroundedLinearReturnsTheFloat32Sums) {
+  const auto dtype = GetParam();
+  torch::NoGradGuard no_grad;
+  torch::manual_seed(5);
+  const int64_t in = 77, out = 131;
+  const auto w = (torch::randn({out, in}) / 2).to(dtype);
+  const auto b = torch::randn({out}).to(dtype);
+  for (const int64_t rows : {1, 5, 8, 9, 32, 33, 70}) {
+    const auto x = (torch::randn({rows, in}) * 3).to(dtype);
+    const auto y = ca::kernels::unrounded_linear_cpu(x, w, b);
+    ASSERT_EQ(y.scalar_type(), torch::kFloat32) << rows;
+    const auto x64 = x.to(torch::kFloat64), w64 = w.to(torch::kFloat64), b64 = b.to(torch::kFloat64);
+    const auto exact = at::linear(x64, w64, b64);
+    const auto magnitude = at::linear(x64.abs(), w64.abs(), b64.abs());
+    const auto err = (y.to(torch::kFloat64) - exact).abs();
+    EXPECT_TRUE(err.le(magnitude * (double(in + 1) * std::numeric_limits<float>::epsilon())).all().item<bool>())
+        << rows << " rows: worst error " << err.max().item<double>();
+    EXPECT_FALSE(torch::equal(y, y.to(dtype).to(torch::kFloat32))) << rows << " rows: rounded to the dtype";
+    if (rows <= 8) {
+      EXPECT_TRUE(torch::equal(y.to(dtype), ca::kernels::few_rows_linear_cpu(x, w, b))) << rows;
+    }
+    // The public entry: the same values without autograd, F.linear's on the widenings with it.
+    EXPECT_TRUE(torch::equal(ca::unrounded_linear(x, w, b), y)) << rows;
+  }
+  torch::AutoGradMode grad(true);
+  const auto x = torch::randn({4, in}).to(dtype);
+  const auto wg = w.clone().requires_grad_();
+  const auto y = ca::unrounded_linear(x, wg, at::Tensor());
+  ASSERT_EQ(y.scalar_type(), torch::kFloat32);
+  y.sum().backward();
+  ASSERT_EQ(wg.grad().scalar_type(), dtype);
+  const auto expected = x.to(torch::kFloat64).sum(0).expand({out, in});
+  const double eps = dtype == torch::kBFloat16 ? 0x1p-8 : 0x1p-11;  // half a step of the dtype
+  EXPECT_TRUE((wg.grad().to(torch::kFloat64) - expected).abs().le(expected.abs() * eps * 1.01 + 1e-6).all()
+                  .item<bool>());
+}
+
+TEST_P(Widened, UnroundedLinearRefusesWhatItCannotTake) {
+  const auto dtype = GetParam();
+  const auto x = torch::ones({2, 4}, dtype), w = torch::ones({3, 4}, dtype);
+  EXPECT_THROW(ca::kernels::unrounded_linear_cpu(x, w.t(), std::nullopt), c10::ValueError);
+  EXPECT_THROW(ca::kernels::unrounded_linear_cpu(x, w.to(torch::kFloat32), std::nullopt), c10::TypeError);
+  EXPECT_THROW(ca::kernels::unrounded_linear_cpu(x, w, torch::ones({4}, dtype)), c10::ValueError);
 }
 
 INSTANTIATE_TEST_SUITE_P(HalfTypes, Widened, ::testing::Values(torch::kBFloat16, torch::kHalf),

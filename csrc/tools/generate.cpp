@@ -158,6 +158,7 @@ struct Arguments {
   double temperature = 1.0;
   std::string dump_logits;
   bool bench = false;
+  bool rounded_logits = false;
   int bench_runs = 3;
 };
 
@@ -173,6 +174,7 @@ causal_attention::GenerateOptions generate_options(const Arguments& args, const 
   options.eos_id = args.eos.has_value() ? args.eos : (tokenizer ? tokenizer->eos_id : std::nullopt);
   if (args.seed) options.seed = static_cast<uint64_t>(*args.seed);
   options.keep_logits = !args.dump_logits.empty();
+  options.float32_logits = !args.rounded_logits;
   return options;
 }
 
@@ -292,6 +294,8 @@ int main(int argc, char** argv) {
   app.add_option("--eos", args.eos, "stop a sequence after this token id (default: the tokenizer's eos_id)");
   app.add_option("--dump-logits", args.dump_logits,
                  "write prompt_tokens, prompt_mask, forward_logits, step_logits and generated to this safetensors file");
+  app.add_flag("--rounded-logits", args.rounded_logits,
+               "a bfloat16/float16 model chooses from logits rounded to its dtype (default: the head's float32 sums)");
   app.add_flag("--bench", args.bench, "time generation and print tokens/s");
   app.add_option("--bench-runs", args.bench_runs, "runs timed by --bench (the best is printed)")
       ->check(positive_integer)

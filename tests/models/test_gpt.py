@@ -305,3 +305,93 @@ def test_few_rows_linear_equals_nn_linear(bias: bool, shape: tuple[int, int, int
     assert rel_err(fast, layer(x).detach()) <= 1e-14
     assert (shape[0] * shape[1] <= FEW_ROWS) or torch.equal(fast, layer(x).detach())
     assert few_rows_linear(layer, x).requires_grad  # autograd: nn.Linear's path
+
+
+# ---------------------------------------------------------------------------------------------
+# float32 logits of half models
+
+
+def _tied_head_gpt(dtype: torch.dtype, prompt: list[int]) -> GPT:
+    """A half GPT (untied head) whose logits for tokens 0 and 1 after `prompt` differ by less than
+    dtype's step at their size: token 1 is the larger in float32 and float64, but both round to the
+    same value in dtype, where argmax takes the first (token 0). Head row 1 is row 0 with one
+    element one step further along h's sign, at the first coordinate (by |h|) that keeps the tie."""
+    torch.manual_seed(3)
+    model = random_gpt(small_config(vocab_size=40, tie_head=False), dtype)
+    with torch.no_grad():
+        h, _ = model.hidden_states(torch.tensor([prompt]))
+        last = h[0, -1]  # (dim,)
+        head = model.head.weight
+        head.mul_(0.1)
+        head[0] = (last.double() / last.double().norm() * 2).to(dtype)  # logit about 2 |h|: the largest
+        for j in last.abs().argsort(descending=True).tolist():
+            head[1] = head[0]
+            toward = float("inf") if last[j] > 0 else float("-inf")  # raises h . head[1]
+            head[1, j] = torch.nextafter(head[0, j].float(), torch.tensor(toward)).to(dtype)
+            if head[1, j] == head[0, j]:  # float32's next value rounds back: one step of dtype instead
+                step = torch.finfo(dtype).eps * max(float(head[0, j].abs()), torch.finfo(dtype).tiny)
+                head[1, j] = head[0, j] + step * (1 if toward > 0 else -1)
+            rounded = model.logits(last[None])[0]
+            if rounded[0] == rounded[1] and float(last.double() @ (head[1].double() - head[0].double())) > 0:
+                return model
+    raise AssertionError("no coordinate keeps the rounded logits tied")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_generate_chooses_from_float32_logits_of_a_half_model(dtype: torch.dtype):
+    """Greedy generate of a bfloat16/half model follows the head's float32 sums by default: two
+    logits that round to the same half value are told apart as the float64 truth tells them."""
+    prompt = [5, 17, 3, 30, 2]
+    model = _tied_head_gpt(dtype, prompt)
+    with torch.no_grad():
+        h, _ = model.hidden_states(torch.tensor([prompt]))
+        exact = h[0, -1].double() @ model.head.weight.double().t()  # (V,)
+        rounded = model.logits(h[0, -1:])[0]
+        unrounded = model.logits(h[0, -1:], float32=True)[0]
+    assert exact.argmax() == 1 and exact[1] > exact[0]
+    assert rounded.dtype == dtype and rounded[0] == rounded[1]  # the tie the rounding makes
+    assert unrounded.dtype == torch.float32 and unrounded[1] > unrounded[0]
+    for use_cache in (True, False):
+        assert model.generate([prompt], 1, use_cache=use_cache) == [[1]]
+        assert model.generate([prompt], 1, use_cache=use_cache, float32_logits=False) == [[0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_float32_logits_are_the_heads_sums_before_rounding(dtype: torch.dtype):
+    """forward(float32_logits=True) of a half model: float32 logits within float32's summation
+    bound of the float64 product of the same hidden states, zeros at padding, on every path (packed
+    padding, full batch, caches, autograd); rounded to the dtype, within a step of the default."""
+    model = random_gpt(small_config(), dtype)
+    tokens, mask = right_padded(LENGTHS)
+    dim = model.config.dim
+
+    def check(logits: Tensor, h: Tensor) -> None:  # h (..., dim) -> logits (..., V)
+        assert logits.dtype == torch.float32
+        exact = h.double() @ model.head_weight.double().t()
+        bound = (dim + 1) * torch.finfo(torch.float32).eps * (h.double().abs() @ model.head_weight.double().abs().t())
+        assert bool(((logits.double() - exact).abs() <= bound).all())
+
+    with torch.no_grad():
+        h, packing = model.hidden_states(tokens, mask)
+        assert packing is not None
+        padded = model(tokens, mask, float32_logits=True)  # (B, T, V)
+        check(padded[mask], h)
+        assert torch.equal(padded[~mask], torch.zeros_like(padded[~mask]))
+        default = model(tokens, mask)
+        step = torch.finfo(dtype).eps * default[mask].float().abs() + torch.finfo(dtype).tiny
+        assert bool(((padded[mask].to(dtype).float() - default[mask].float()).abs() <= step).all())
+        full_h, _ = model.hidden_states(tokens)
+        check(model(tokens, float32_logits=True), full_h)
+        lengths = mask.sum(1)
+        check(model.last_logits(tokens, lengths, float32_logits=True), h.index_select(0, lengths.cumsum(0) - 1))
+    train = model(tokens, mask, float32_logits=True)  # autograd: F.linear on the widenings
+    assert train.requires_grad and train.dtype == torch.float32
+    (g,) = torch.autograd.grad(train[mask].sum(), model.head_weight)
+    assert g.dtype == dtype and bool(g.isfinite().all()) and bool((g != 0).any())
+
+
+def test_float32_logits_leave_float_models_alone():
+    model = random_gpt(small_config(), torch.float32)
+    tokens, mask = right_padded(LENGTHS)
+    with torch.no_grad():
+        assert torch.equal(model(tokens, mask, float32_logits=True), model(tokens, mask))

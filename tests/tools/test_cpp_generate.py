@@ -183,6 +183,25 @@ def test_token_prompts_equal_python_generate(make, tmp_path: Path) -> None:
     assert [[int(t) for t in line.split(",")] for line in lines] == stopped
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_half_models_choose_from_float32_logits_as_python(dtype: torch.dtype, tmp_path: Path) -> None:
+    """A bfloat16/half model: by default the program's steps choose from the head's float32 sums,
+    as GPT.generate's do (the same tokens; step logits float32), and with --rounded-logits from the
+    model's dtype, as generate(float32_logits=False)."""
+    model = gpt2_shaped().to(dtype)
+    model.save(tmp_path / "model")
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (7, 1, 12, 3)]
+    args = ["--model", str(tmp_path / "model"), "--max-new-tokens", "10", "--dump-logits", str(tmp_path / "d.safetensors")]
+    args += sum((["--tokens", ",".join(map(str, p))] for p in prompts), [])
+    for extra, float32 in (([], True), (["--rounded-logits"], False)):
+        lines = run(*args, *extra).stdout.splitlines()
+        assert [[int(t) for t in line.split(",")] for line in lines] == model.generate(prompts, 10,
+                                                                                       float32_logits=float32)
+        steps = load_file(str(tmp_path / "d.safetensors"))["step_logits"]
+        assert steps.dtype == (torch.float32 if float32 else dtype)
+
+
 def test_top_k_sampling_with_a_seed_equals_python(tmp_path: Path) -> None:
     """torch.multinomial with a generator seeded alike draws the same tokens in C++ and Python."""
     model = gpt2_shaped()

@@ -221,6 +221,13 @@ bool half_arithmetic(at::ScalarType dtype);
 at::Tensor widened_addmm_cpu(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias);
 at::Tensor widened_addmm_meta(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias);
 
+// x (..., in) @ weight^T (+ bias) -> (..., out) summed in float32 (float64 for float64) and returned
+// unrounded: float32 for bfloat16/half operands (each product of two exact widenings), x's dtype
+// otherwise. Up to 32 rows (a decode step's) stream the weight (few_rows_linear_cpu's sums, not
+// rounded); more go to blas::gemm. No autograd (causal_attention::unrounded_linear has it).
+at::Tensor unrounded_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+at::Tensor unrounded_linear_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+
 // x (..., in) @ weight^T (+ bias) -> (..., out) by widened_addmm, its gradients by the same products
 // (differentiable any number of times; the bias's gradient summed in float32).
 at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);

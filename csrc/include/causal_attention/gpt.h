@@ -94,6 +94,9 @@ struct GenerateOptions {
   int64_t pad_id = 0;               // fills the right padding of the prefill (never attended)
   std::optional<uint64_t> seed;     // top-k: a generator seeded so (torch.Generator().manual_seed)
   bool keep_logits = false;         // return every step's logits
+  // A bfloat16/half model chooses from its head's float32 sums (GPTImpl::logits' float32), not from
+  // logits rounded to its dtype, which make nearby logits equal (bfloat16 keeps 8 bits).
+  bool float32_logits = true;
 };
 
 struct GenerateResult {
@@ -107,13 +110,16 @@ class GPTImpl : public torch::nn::Module {
 
   // tokens (B, T) int64/int32, key_padding_mask (B, T) bool or 0/1 (True = real) -> logits (B, T, V),
   // zero at padding positions (as the Python forward).
-  at::Tensor forward(const at::Tensor& tokens, const std::optional<at::Tensor>& key_padding_mask = std::nullopt);
+  // float32_logits: a bfloat16/half model's logits in float32 (logits' float32).
+  at::Tensor forward(const at::Tensor& tokens, const std::optional<at::Tensor>& key_padding_mask = std::nullopt,
+                     bool float32_logits = false);
   // With caches (one per layer): tokens are each sequence's new tokens, right-padded by the mask;
   // positions continue from each cache's length -> final hidden states (B, T, dim), after ln_f.
   at::Tensor hidden_states(const at::Tensor& tokens, const std::optional<at::Tensor>& key_padding_mask,
                            std::vector<KVCache>& caches);
-  // Hidden states (..., dim) -> logits (..., V).
-  at::Tensor logits(const at::Tensor& h) const;
+  // Hidden states (..., dim) -> logits (..., V); with float32 (a bfloat16/half model) the head's sums
+  // in float32 as they are, not rounded to the model's dtype (unrounded_linear).
+  at::Tensor logits(const at::Tensor& h, bool float32 = false) const;
 
   std::vector<KVCache> make_caches(int64_t batch_size, int64_t max_len) const;
 

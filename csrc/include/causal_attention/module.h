@@ -101,4 +101,10 @@ TORCH_MODULE(CausalSelfAttention);
 // memory once; elsewhere as (W x^T)^T. bias may be undefined.
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 
+// x (..., in) @ weight^T (+ bias) -> (..., out) with the sums unrounded: float32 for bfloat16/half
+// (a half model's logits in float32), x's dtype otherwise. Without autograd on the CPU by
+// kernels::unrounded_linear_cpu; otherwise at::linear on the exact float32 widenings (differentiable).
+// bias may be undefined.
+at::Tensor unrounded_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+
 }  // namespace causal_attention

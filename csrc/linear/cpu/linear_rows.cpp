@@ -195,9 +195,10 @@ struct PairBlock {
 // The RO weight rows at w against every row of x, in blocks of kLinearRows, then 4, 2 and 1 rows (each
 // by Block::run); the pf_lines cache lines from pf are prefetched over the blocks, in proportion to
 // their rows.
-template <int RO, typename Block, typename x_t, typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+template <int RO, typename Block, typename x_t, typename scalar_t, typename y_t,
+          typename acc_t = at::opmath_type<scalar_t>>
 void linear_rows_block(const x_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o,
-                       scalar_t* y, int64_t ld_y, const char* pf, int64_t pf_lines) {
+                       y_t* y, int64_t ld_y, const char* pf, int64_t pf_lines) {
   acc_t s[kLinearRows * RO];
   int64_t done = 0;  // lines prefetched so far
   const auto run = [&](auto rm, int64_t m) {
@@ -208,7 +209,7 @@ void linear_rows_block(const x_t* x, int64_t rows, int64_t in, const scalar_t* w
     for (int i = 0; i < RM; ++i) {
       for (int r = 0; r < RO; ++r) {
         const acc_t b = bias == nullptr ? acc_t(0) : static_cast<acc_t>(bias[o + r]);
-        y[(m + i) * ld_y + o + r] = static_cast<scalar_t>(s[i * RO + r] + b);
+        y[(m + i) * ld_y + o + r] = static_cast<y_t>(s[i * RO + r] + b);
       }
     }
   };
@@ -229,10 +230,12 @@ void linear_rows_block(const x_t* x, int64_t rows, int64_t in, const scalar_t* w
   }
 }
 
-// linear_rows of tile_ops.h with Block's kernel on x's rows (acc_t for FmaBlock, bfloat16 for PairBlock).
-template <typename scalar_t, typename Block = FmaBlock, typename x_t = at::opmath_type<scalar_t>>
+// linear_rows of tile_ops.h with Block's kernel on x's rows (acc_t for FmaBlock, bfloat16 for PairBlock),
+// into y_t (scalar_t, or acc_t for the *_acc entries).
+template <typename scalar_t, typename Block = FmaBlock, typename x_t = at::opmath_type<scalar_t>,
+          typename y_t = scalar_t>
 void linear_rows(const x_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o0,
-                 int64_t o1, scalar_t* y, int64_t ld_y) {
+                 int64_t o1, y_t* y, int64_t ld_y) {
   // 3 weight rows per block; the rows of the block about kAheadBytes ahead are prefetched into L2
   // meanwhile, so that memory streams while the FMAs work (into L1, the prefetches evict the rows in
   // use); past about 48 KB ahead, further gains nothing.
@@ -269,11 +272,14 @@ void linear_rows(const x_t* x, int64_t rows, int64_t in, const scalar_t* w, cons
 
 template <typename scalar_t>
 void set_linear_rows_ops(TileOps<scalar_t>& ops) {
+  using acc_t = at::opmath_type<scalar_t>;
   ops.linear_rows = &linear_rows<scalar_t>;
+  ops.linear_rows_acc = &linear_rows<scalar_t, FmaBlock, acc_t, acc_t>;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (has_avx512_bf16()) {
       ops.linear_rows_pairs = &linear_rows<c10::BFloat16, PairBlock, c10::BFloat16>;
+      ops.linear_rows_pairs_acc = &linear_rows<c10::BFloat16, PairBlock, c10::BFloat16, float>;
     }
   }
 #endif

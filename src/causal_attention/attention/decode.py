@@ -3,6 +3,7 @@ calling BLAS; half precision on a CPU without half arithmetic sums in float32 at
 
     y = few_rows_linear(layer, x)   # x (..., in): layer(x), streamed when x is a decode step's rows
     y = project(layer, x)           # layer(x), widened where the CPU has no arithmetic in x's dtype
+    y = unrounded_matmul(x, w)      # x @ w^T in float32 for half x (a half model's logits)
 """
 
 from __future__ import annotations
@@ -123,6 +124,29 @@ def project(layer: nn.Module, x: Tensor) -> Tensor:
     weights = _linear_weights(layer)
     y = None if weights is None else widened_matmul(x, *weights)
     return layer(x) if y is None else y
+
+
+def unrounded_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., in) @ weight^T (+ bias) -> (..., out) with the sums returned unrounded: float32 for
+    bfloat16/half x (each product of two exact widenings, summed in float32), x's dtype otherwise.
+    Without a gradient to record, in eager mode on the CPU, the engine's unrounded_linear (a decode
+    step's rows stream the weight once, as few_rows_matmul, with no conversion of it); otherwise
+    F.linear on the float32 widenings (differentiable; compiled and exported graphs keep it)."""
+    if (
+        type(x) is Tensor
+        and x.device.type == "cpu"
+        and type(weight) in (Tensor, nn.Parameter)
+        and weight.device.type == "cpu"
+        and (bias is None or (type(bias) in (Tensor, nn.Parameter) and bias.device.type == "cpu"))
+        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)))
+        and not _tracing()
+        and not torch._C._are_functorch_transforms_active()
+        and not torch.is_autocast_enabled("cpu")
+        and _ops.core_loaded()
+    ):
+        return torch.ops.causal_attention.unrounded_linear(x, weight, bias)
+    wide = torch.float32 if x.dtype in _HALF else x.dtype
+    return torch.nn.functional.linear(x.to(wide), weight.to(wide), None if bias is None else bias.to(wide))
 
 
 def _tracing() -> bool:

@@ -25,6 +25,7 @@ from ..attention.decode import (
     few_rows_linear,
     few_rows_matmul,
     project,
+    unrounded_matmul,
     widened_matmul,
     widens,
 )
@@ -194,9 +195,12 @@ class GPT(nn.Module):
             h = block.forward_packed(h, packing, cache=None if caches is None else caches[i])
         return self.ln_f(h), packing
 
-    def logits(self, h: Tensor) -> Tensor:
-        """Hidden states (..., dim) -> logits (..., V)."""
+    def logits(self, h: Tensor, *, float32: bool = False) -> Tensor:
+        """Hidden states (..., dim) -> logits (..., V); with float32 (a bfloat16/half model), the
+        head's sums in float32 as they are, not rounded to the model's dtype (unrounded_matmul)."""
         weight = self.head_weight
+        if float32 and h.dtype in _HALF:
+            return unrounded_matmul(h, weight)
         y = few_rows_matmul(h, weight)  # a decode step: W h^T
         if y is None:
             y = widened_matmul(h, weight)  # half precision on a CPU without half arithmetic
@@ -209,12 +213,14 @@ class GPT(nn.Module):
         *,
         caches: list[KVCache] | None = None,
         return_attention: bool = False,
+        float32_logits: bool = False,
     ) -> Tensor | tuple[Tensor, list[Tensor]]:
         """tokens (B, T) int64 -> logits (B, T, V) [, attention weights per layer (B, H, T, T)].
 
         key_padding_mask (B, T): True (or 1) = real token. Nothing is computed for padding
         positions: their logits are 0. With caches, tokens are the new tokens of each sequence and
-        their positions continue from each sequence's own cache length.
+        their positions continue from each sequence's own cache length. float32_logits: a
+        bfloat16/half model's logits in float32, the head's sums unrounded (logits(float32=True)).
         """
         if return_attention:
             if caches is not None:
@@ -226,24 +232,24 @@ class GPT(nn.Module):
                 x, w = block(x, mask, return_weights=True)
                 assert w is not None
                 maps.append(w)
-            return self._zero_padding(self.logits(self.ln_f(x)), mask), maps
+            return self._zero_padding(self.logits(self.ln_f(x), float32=float32_logits), mask), maps
         h, packing = self.hidden_states(tokens, key_padding_mask, caches=caches)
         if packing is not None:
-            return self._padded_logits(h, packing)  # (B, T, V), zeros at padding
-        logits = self.logits(h)  # (B, T, V)
+            return self._padded_logits(h, packing, float32=float32_logits)  # (B, T, V), zeros at padding
+        logits = self.logits(h, float32=float32_logits)  # (B, T, V)
         if key_padding_mask is not None and _tracing():  # eager: no padding here (else it was packed)
             logits = self._zero_padding(logits, normalize_key_padding_mask(key_padding_mask, h))
         return logits
 
-    def _padded_logits(self, h: Tensor, packing: _Packing) -> Tensor:
+    def _padded_logits(self, h: Tensor, packing: _Packing, *, float32: bool = False) -> Tensor:
         """Packed hidden states (N, dim) -> logits (B, T, V) with zeros at padding. Without autograd
         and with right padding, each sequence's logits are written in place by the head's product
         (no (N, V) temporary, no scatter); otherwise one scatter."""
         weight = self.head_weight
         lengths = packing.right_padded_lengths()
         if (lengths is None or (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad))
-                or widens(h, weight)):
-            return packing.unpack(self.logits(h))
+                or widens(h, weight) or (float32 and h.dtype in _HALF)):
+            return packing.unpack(self.logits(h, float32=float32))
         B, T = packing.mask.shape
         logits = h.new_empty(B, T, weight.shape[0])
         start = 0
@@ -257,9 +263,11 @@ class GPT(nn.Module):
     def _zero_padding(logits: Tensor, mask: Tensor | None) -> Tensor:
         return logits if mask is None else logits.masked_fill(~mask[..., None], 0)
 
-    def last_logits(self, tokens: Tensor, lengths: Tensor, *, caches: list[KVCache] | None = None) -> Tensor:
+    def last_logits(self, tokens: Tensor, lengths: Tensor, *, caches: list[KVCache] | None = None,
+                    float32_logits: bool = False) -> Tensor:
         """Right-padded tokens (B, T) with real lengths (B,) -> logits at each sequence's last
-        real token (B, V): the head runs on B positions only (prefill for generation)."""
+        real token (B, V): the head runs on B positions only (prefill for generation).
+        float32_logits: as forward's."""
         B, T = tokens.shape
         mask = torch.arange(T, device=tokens.device)[None, :] < lengths[:, None]  # (B, T)
         h, packing = self.hidden_states(tokens, mask, caches=caches)
@@ -267,7 +275,7 @@ class GPT(nn.Module):
             last = h[torch.arange(B, device=h.device), lengths - 1]  # (B, dim)
         else:
             last = h.index_select(0, lengths.cumsum(0) - 1)  # (B, dim): packed rows are in (b, t) order
-        return self.logits(last)
+        return self.logits(last, float32=float32_logits)
 
     @torch.no_grad()
     def generate(
@@ -281,6 +289,7 @@ class GPT(nn.Module):
         eos_id: int | None = None,
         pad_id: int = 0,
         generator: torch.Generator | None = None,
+        float32_logits: bool = True,
     ) -> list[list[int]]:
         """Continues every prompt by up to max_new_tokens tokens, in one ragged batch.
 
@@ -290,8 +299,10 @@ class GPT(nn.Module):
         (no left padding; the head runs only at each prompt's last token) and each step feeds one
         token per sequence; without it every step recomputes the whole prefix (for comparison).
         The last generated token is never fed back, so prompt + max_new_tokens - 1 must fit in
-        max_len (a prompt of max_len tokens gets one). Returns the generated tokens of each prompt
-        (up to and including eos_id).
+        max_len (a prompt of max_len tokens gets one). float32_logits (the default): a
+        bfloat16/half model chooses from its head's float32 sums, not from logits rounded to its
+        dtype, which make nearby logits equal (bfloat16 keeps 8 bits) and greedy picks the first of
+        them. Returns the generated tokens of each prompt (up to and including eos_id).
         """
         prompts = _token_lists(prompts)
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
@@ -308,7 +319,8 @@ class GPT(nn.Module):
         if positions > self.config.max_len:
             raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) - 1 = {positions} positions "
                              f"exceeds max_len={self.config.max_len}")
-        picks = _Picks(B, device, top_k=top_k, temperature=temperature, eos_id=eos_id, generator=generator)
+        picks = _Picks(B, device, top_k=top_k, temperature=temperature, eos_id=eos_id, generator=generator,
+                       float32_logits=float32_logits)
         if use_cache:
             self._generate_cached(prompts, lengths, max_new_tokens, positions, pad_id, picks)
         else:
@@ -321,14 +333,14 @@ class GPT(nn.Module):
         B, longest = len(prompts), int(lengths.max())
         tokens = self._pad(prompts, longest, pad_id)  # (B, longest)
         caches = self.make_caches(B, positions)
-        last = self.last_logits(tokens, lengths, caches=caches)  # (B, V)
+        last = self.last_logits(tokens, lengths, caches=caches, float32_logits=picks.float32_logits)  # (B, V)
         for step in range(max_new_tokens):
             nxt = picks.choose(last)  # (B,)
             picks.record(nxt)
             if picks.all_done() or step == max_new_tokens - 1:
                 break
             h, _ = self.hidden_states(nxt[:, None], None, caches=caches)  # (B, 1, dim)
-            last = self.logits(h[:, 0])  # (B, V)
+            last = self.logits(h[:, 0], float32=picks.float32_logits)  # (B, V)
 
     def _generate_uncached(self, prompts: list[list[int]], max_new_tokens: int, pad_id: int, picks: _Picks) -> None:
         """Recomputes the whole prefix at every step (the cached loop's baseline)."""
@@ -338,7 +350,7 @@ class GPT(nn.Module):
             n = max(len(s) for s in seqs)
             tokens = self._pad(seqs, n, pad_id)  # (B, n)
             lens = torch.tensor([len(s) for s in seqs], device=device)
-            nxt = picks.choose(self.last_logits(tokens, lens))
+            nxt = picks.choose(self.last_logits(tokens, lens, float32_logits=picks.float32_logits))
             picks.record(nxt)
             for s, t in zip(seqs, nxt.tolist()):
                 s.append(t)
@@ -367,8 +379,9 @@ class _Picks:
     far, up to and including eos_id."""
 
     def __init__(self, B: int, device: torch.device, *, top_k: int | None, temperature: float, eos_id: int | None,
-                 generator: torch.Generator | None) -> None:
+                 generator: torch.Generator | None, float32_logits: bool) -> None:
         self.top_k, self.temperature, self.eos_id, self.generator = top_k, temperature, eos_id, generator
+        self.float32_logits = float32_logits
         self.out: list[list[int]] = [[] for _ in range(B)]
         self.done = torch.zeros(B, dtype=torch.bool, device=device)
 
