@@ -59,8 +59,9 @@ void GPTConfig::validate() const {
   if (mlp_hidden.has_value() && *mlp_hidden <= 0) {
     throw std::invalid_argument(concat("GPTConfig.mlp_hidden must be None or a positive int; got ", *mlp_hidden));
   }
-  if (activation != "gelu" && activation != "gelu_tanh") {
-    throw std::invalid_argument(concat("GPTConfig.activation must be 'gelu' or 'gelu_tanh'; got '", activation, "'"));
+  if (activation != "gelu" && activation != "gelu_tanh" && activation != "silu") {
+    throw std::invalid_argument(
+        concat("GPTConfig.activation must be 'gelu', 'gelu_tanh' or 'silu'; got '", activation, "'"));
   }
   if (!(layer_norm_eps > 0)) {
     throw std::invalid_argument(concat("GPTConfig.layer_norm_eps must be a positive float; got ", layer_norm_eps));
@@ -138,14 +139,33 @@ bool check_keys(const nlohmann::json& values, const std::string& source) {
   const auto is_option = [](const std::string& key) {
     return std::any_of(kOptions.begin(), kOptions.end(), [&](const Option& option) { return key == option.key; });
   };
-  std::vector<std::string> unknown;
+  // The Llama family's options of gpt.py's GPTConfig (config.json holds them where they differ from
+  // GPT-2's architecture): known, but not built here yet.
+  constexpr std::array<const char*, 10> kLlamaOptions{"gated_mlp", "mlp_bias",  "n_kv_heads",   "norm",
+                                                      "positions", "proj_bias", "qkv_bias",     "rope_scaling",
+                                                      "rope_theta", "sliding_window"};
+  const auto is_llama = [&](const std::string& key) {
+    return std::any_of(kLlamaOptions.begin(), kLlamaOptions.end(), [&](const char* option) { return key == option; });
+  };
+  std::vector<std::string> unknown, llama;
   for (const auto& [key, _] : values.items()) {  // sorted, as nlohmann::json keeps objects
-    if (!is_option(key) && key != "format" && key != "mlp_ratio") unknown.push_back(key);
+    if (is_llama(key)) {
+      llama.push_back(key);
+    } else if (!is_option(key) && key != "format" && key != "mlp_ratio") {
+      unknown.push_back(key);
+    }
   }
   if (!unknown.empty()) {
     throw FormatError(concat(source, ": unknown option(s) ", listing(unknown),
-                             "; known: activation, attn_dropout, bias, dim, embd_dropout, format, layer_norm_eps, "
-                             "max_len, mlp_hidden, n_heads, n_layers, resid_dropout, tie_head, vocab_size"));
+                             "; known: activation, attn_dropout, bias, dim, embd_dropout, format, gated_mlp, "
+                             "layer_norm_eps, max_len, mlp_bias, mlp_hidden, n_heads, n_kv_heads, n_layers, norm, "
+                             "positions, proj_bias, qkv_bias, resid_dropout, rope_scaling, rope_theta, "
+                             "sliding_window, tie_head, vocab_size"));
+  }
+  if (!llama.empty()) {
+    throw FormatError(concat(source, ": option(s) ", listing(llama),
+                             " (the Llama family) are not implemented by the C++ GPT yet; Python's GPT.load reads "
+                             "this model"));
   }
   if (values.contains("format") && values["format"] != kFormat) {
     throw FormatError(concat(source, ": format must be \"", kFormat, "\"; got ", values["format"].dump()));
@@ -287,11 +307,21 @@ BlockImpl::BlockImpl(const GPTConfig& config) {
   attn_drop = register_module("attn_drop", torch::nn::Dropout(config.resid_dropout));
   ln2 = register_module("ln2", LayerNorm(config.dim, config.layer_norm_eps, config.bias));
   const auto approximate = config.activation == "gelu_tanh" ? "tanh" : "none";
-  mlp = register_module(
-      "mlp", torch::nn::Sequential(torch::nn::Linear(torch::nn::LinearOptions(config.dim, config.hidden()).bias(config.bias)),
-                                   torch::nn::GELU(torch::nn::GELUOptions().approximate(approximate)),
-                                   torch::nn::Linear(torch::nn::LinearOptions(config.hidden(), config.dim).bias(config.bias)),
-                                   torch::nn::Dropout(config.resid_dropout)));
+  torch::nn::Sequential layers(torch::nn::Linear(torch::nn::LinearOptions(config.dim, config.hidden()).bias(config.bias)));
+  if (config.activation == "silu") {
+    layers->push_back(torch::nn::SiLU());
+  } else {
+    layers->push_back(torch::nn::GELU(torch::nn::GELUOptions().approximate(approximate)));
+  }
+  layers->push_back(torch::nn::Linear(torch::nn::LinearOptions(config.hidden(), config.dim).bias(config.bias)));
+  layers->push_back(torch::nn::Dropout(config.resid_dropout));
+  mlp = register_module("mlp", layers);
+}
+
+// The MLP's activation, mlp[1]: GELU (exact or tanh) or SiLU.
+at::Tensor BlockImpl::activate(const at::Tensor& x) {
+  if (auto* gelu = mlp[1]->as<torch::nn::GELUImpl>()) return gelu->forward(x);
+  return mlp[1]->as<torch::nn::SiLUImpl>()->forward(x);
 }
 
 at::Tensor BlockImpl::forward(const at::Tensor& x, const std::optional<at::Tensor>& mask) {
@@ -305,7 +335,7 @@ at::Tensor BlockImpl::mlp_forward(const at::Tensor& x) {
   const auto optional = [](const at::Tensor& b) { return b.defined() ? std::optional<at::Tensor>(b) : std::nullopt; };
   const auto& fc = mlp[0]->as<torch::nn::LinearImpl>();
   const auto& out = mlp[2]->as<torch::nn::LinearImpl>();
-  const auto inner = mlp[1]->as<torch::nn::GELUImpl>()->forward(project(x, fc->weight, optional(fc->bias)));
+  const auto inner = activate(project(x, fc->weight, optional(fc->bias)));
   return mlp[3]->as<torch::nn::DropoutImpl>()->forward(project(inner, out->weight, optional(out->bias)));
 }
 
@@ -314,7 +344,7 @@ at::Tensor BlockImpl::forward(const at::Tensor& x, const std::optional<at::Tenso
   // The MLP module by module, so that a decode step's few rows take few_rows_linear's W x^T path.
   const auto& fc = mlp[0]->as<torch::nn::LinearImpl>();
   const auto& out = mlp[2]->as<torch::nn::LinearImpl>();
-  const auto inner = mlp[1]->as<torch::nn::GELUImpl>()->forward(few_rows_linear(ln2->forward(h), fc->weight, fc->bias));
+  const auto inner = activate(few_rows_linear(ln2->forward(h), fc->weight, fc->bias));
   return h + mlp[3]->as<torch::nn::DropoutImpl>()->forward(few_rows_linear(inner, out->weight, out->bias));
 }
 

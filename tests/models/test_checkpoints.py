@@ -718,9 +718,9 @@ def test_load_errors_name_the_file_or_tensor(tmp_path):
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         GPT.load(tmp_path)
 
-    (tmp_path / "config.json").write_text(json.dumps({**config.to_dict(), "n_kv_heads": 2}))
+    (tmp_path / "config.json").write_text(json.dumps({**config.to_dict(), "n_experts": 2}))
     save_file(good, str(weights))
-    with pytest.raises(ValueError, match="n_kv_heads"):
+    with pytest.raises(ValueError, match="n_experts"):
         GPT.load(tmp_path)
 
 

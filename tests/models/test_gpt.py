@@ -246,8 +246,8 @@ def test_config_errors_name_the_field(overrides, field):
 def test_config_dict_round_trip_and_gpt2_defaults():
     config = small_config(mlp_hidden=80, activation="gelu_tanh", tie_head=False, resid_dropout=0.1)
     assert GPTConfig.from_dict(config.to_dict()) == config
-    with pytest.raises(ValueError, match="unknown option.*'n_kv_heads'"):
-        GPTConfig.from_dict({**config.to_dict(), "n_kv_heads": 2})
+    with pytest.raises(ValueError, match="unknown option.*'n_experts'"):
+        GPTConfig.from_dict({**config.to_dict(), "n_experts": 2})
     gpt2 = GPTConfig.gpt2()
     assert (gpt2.vocab_size, gpt2.max_len, gpt2.dim, gpt2.n_layers, gpt2.n_heads, gpt2.hidden) == (50257, 1024, 768, 12, 12, 3072)
     assert gpt2.activation == "gelu_tanh" and gpt2.tie_head and gpt2.bias

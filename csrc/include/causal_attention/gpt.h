@@ -38,7 +38,7 @@ struct GPTConfig {
   int64_t n_heads = 4;
   std::optional<int64_t> mlp_hidden;  // none: 4 * dim
   double layer_norm_eps = 1e-5;
-  std::string activation = "gelu";  // "gelu" (exact) or "gelu_tanh" (GPT-2's gelu_new)
+  std::string activation = "gelu";  // "gelu" (exact), "gelu_tanh" (GPT-2's gelu_new) or "silu"
   bool bias = true;
   bool tie_head = true;
   double attn_dropout = 0.0;
@@ -78,6 +78,7 @@ class BlockImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& mask, KVCache& cache);
   // The MLP of forward without a cache, its products by causal_attention::project: (..., dim) -> (..., dim).
   at::Tensor mlp_forward(const at::Tensor& x);
+  at::Tensor activate(const at::Tensor& x);  // the MLP's activation (mlp[1])
 
   LayerNorm ln1{nullptr}, ln2{nullptr};
   CausalSelfAttention attn{nullptr};

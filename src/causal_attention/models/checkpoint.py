@@ -113,15 +113,26 @@ _INT64_MAX = 2**63 - 1
 def parameter_layout(config: GPTConfig) -> tuple[list[tuple[str, tuple[int, ...]]], ...]:
     """GPT(config).state_dict()'s names and shapes without building it, in its order, as three
     lists: before the blocks, one block's (names after "blocks.{i}."), after the blocks."""
-    d, h, b = config.dim, config.hidden, config.bias
+    d, h = config.dim, config.hidden
 
-    def with_bias(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    def with_bias(name: str, shape: tuple[int, ...], b: bool = config.bias) -> list[tuple[str, tuple[int, ...]]]:
         return [(f"{name}.weight", shape)] + ([(f"{name}.bias", shape[:1])] if b else [])
 
-    before = [("tok.weight", (config.vocab_size, d)), ("pos.weight", (config.max_len, d))]
-    block = (with_bias("ln1", (d,)) + with_bias("attn.qkv", (3 * d, d)) + with_bias("attn.proj", (d, d))
-             + with_bias("ln2", (d,)) + with_bias("mlp.0", (h, d)) + with_bias("mlp.2", (d, h)))
-    after = with_bias("ln_f", (d,)) + ([] if config.tie_head else [("head.weight", (config.vocab_size, d))])
+    def norm(name: str) -> list[tuple[str, tuple[int, ...]]]:
+        return with_bias(name, (d,), config.bias and config.norm == "layernorm")
+
+    qkv_rows = (config.n_heads + 2 * config.kv_heads) * config.head_dim
+    before = [("tok.weight", (config.vocab_size, d))]
+    if config.positions == "learned":
+        before.append(("pos.weight", (config.max_len, d)))
+    mlp_bias = config.bias_of("mlp")
+    if config.gated_mlp:
+        mlp = with_bias("mlp.gate_up", (2 * h, d), mlp_bias) + with_bias("mlp.down", (d, h), mlp_bias)
+    else:
+        mlp = with_bias("mlp.0", (h, d), mlp_bias) + with_bias("mlp.2", (d, h), mlp_bias)
+    block = (norm("ln1") + with_bias("attn.qkv", (qkv_rows, d), config.bias_of("qkv"))
+             + with_bias("attn.proj", (d, d), config.bias_of("proj")) + norm("ln2") + mlp)
+    after = norm("ln_f") + ([] if config.tie_head else [("head.weight", (config.vocab_size, d))])
     return before, block, after
 
 

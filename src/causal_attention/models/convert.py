@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import convert_llama
 from .checkpoint import CheckpointError, load, load_strict, save
 from .config import GPTConfig
 from .gpt import GPT
@@ -51,10 +52,14 @@ _HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "g
 
 
 def config_from_huggingface(hf: Mapping[str, Any]) -> GPTConfig:
-    """GPTConfig from a GPT2Config (as a dict); an option GPT cannot represent is an error naming it."""
+    """GPTConfig from a GPT2Config, LlamaConfig, Qwen2Config or MistralConfig (as a dict); an option
+    GPT cannot represent is an error naming it."""
     model_type = hf.get("model_type", "gpt2")
+    if model_type in convert_llama.MODEL_TYPES:
+        return convert_llama.config_from_huggingface_llama(hf)
     if model_type != "gpt2":
-        raise CheckpointError(f"model_type {model_type!r} is not supported: GPT reads GPT-2 checkpoints (model_type 'gpt2')")
+        raise CheckpointError(f"model_type {model_type!r} is not supported: GPT reads GPT-2, Llama, Qwen2 and Mistral "
+                              "checkpoints (model_type 'gpt2', 'llama', 'qwen2', 'mistral')")
     for option, value in _HF_REQUIRED.items():
         if option in hf and hf[option] != value:
             raise CheckpointError(f"GPT-2 option {option}={hf[option]!r} is not supported (GPT implements {option}={value})")
@@ -84,7 +89,14 @@ def config_from_huggingface(hf: Mapping[str, Any]) -> GPTConfig:
 
 
 def config_to_huggingface(config: GPTConfig) -> dict[str, Any]:
-    """The GPT2Config keyword arguments describing config (bias=False has no GPT-2 counterpart)."""
+    """The GPT2Config keyword arguments describing config (bias=False has no GPT-2 counterpart); for
+    a Llama-family config, its LlamaConfig / Qwen2Config / MistralConfig's, with model_type."""
+    if convert_llama.is_llama_family(config):
+        model_type, values = convert_llama.config_to_huggingface_llama(config)
+        return {"model_type": model_type, **values}
+    if config != GPTConfig(**{**config.to_dict(), **convert_llama.LLAMA_DEFAULTS}):
+        raise CheckpointError("GPT-2 has none of the Llama family's options (n_kv_heads, rmsnorm, gated_mlp, rope, "
+                              "per-projection biases, sliding_window)")
     if not config.bias:
         raise CheckpointError("GPTConfig.bias=False has no GPT-2 counterpart (GPT-2 has biases everywhere)")
     return dict(
@@ -206,17 +218,20 @@ def _hf_state_and_config(source: Any, n_heads: int | None) -> tuple[dict[str, Te
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path} not found (from_huggingface takes a save_pretrained directory)")
         hf = json.loads(config_path.read_text())
-        return _read_safetensors_dir(directory), config_from_huggingface(hf), str(directory)
+        config = config_from_huggingface(hf)  # before the weights: an unsupported option costs no read
+        return _read_safetensors_dir(directory), config, str(directory)
     if isinstance(source, Mapping):
         return dict(source), None, "state_dict"
     config = getattr(source, "config", None)
     if config is not None and hasattr(source, "state_dict"):
         name = type(source).__name__
-        if name not in ("GPT2LMHeadModel", "GPT2Model"):
-            raise CheckpointError(f"from_huggingface reads GPT2LMHeadModel or GPT2Model; got {name}")
+        if name not in ("GPT2LMHeadModel", "GPT2Model", *convert_llama.MODEL_TYPES.values()):
+            raise CheckpointError(f"from_huggingface reads GPT2LMHeadModel, GPT2Model, "
+                                  f"{', '.join(convert_llama.MODEL_TYPES.values())}; got {name}")
         return dict(source.state_dict()), config_from_huggingface(config.to_dict()), name
     raise TypeError(
-        f"from_huggingface takes a GPT2LMHeadModel / GPT2Model, a state_dict or a directory; got {type(source).__name__}"
+        f"from_huggingface takes a GPT2LMHeadModel / GPT2Model, a Llama / Qwen2 / Mistral ForCausalLM, a state_dict "
+        f"or a directory; got {type(source).__name__}"
     )
 
 
@@ -239,8 +254,18 @@ def _read_safetensors_dir(directory: Path) -> dict[str, Tensor]:
 
 
 def from_huggingface(source: Any, *, n_heads: int | None = None) -> GPT:
-    """A GPT holding transformers' GPT-2 weights, exactly (see the module docstring)."""
+    """A GPT holding transformers' GPT-2, Llama, Qwen2 or Mistral weights, exactly (see the module
+    docstring and convert_llama.py). A bare state_dict is read as GPT-2's (the Llama family's
+    options are not in its tensors: pass the model or its directory)."""
     state, config, name = _hf_state_and_config(source, n_heads)
+    if config is not None and convert_llama.is_llama_family(config):
+        if n_heads is not None and n_heads != config.n_heads:
+            raise CheckpointError(f"n_heads={n_heads} contradicts the checkpoint's config "
+                                  f"(num_attention_heads={config.n_heads})")
+        return convert_llama.from_huggingface_llama(state, config, name)
+    if any(k.startswith("model.layers.") for k in state):
+        raise CheckpointError(f"{name}: a Llama-family state_dict; from_huggingface needs its config (pass the model "
+                              "or its save_pretrained directory)")
     prefix = _hf_prefix(state)
     if config is None:
         config = GPTConfig.gpt2(**{**_config_from_shapes(state, prefix, n_heads, transpose=True, source=name),
@@ -254,7 +279,10 @@ def from_huggingface(source: Any, *, n_heads: int | None = None) -> GPT:
 
 
 def to_huggingface_state_dict(model: GPT) -> dict[str, Tensor]:
-    """GPT2LMHeadModel's state_dict (Conv1D weights (in, out); lm_head.weight is the head)."""
+    """GPT2LMHeadModel's state_dict (Conv1D weights (in, out); lm_head.weight is the head); for a
+    Llama-family model, its LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM state_dict."""
+    if convert_llama.is_llama_family(model.config):
+        return convert_llama.to_huggingface_state_dict_llama(model)
     config_to_huggingface(model.config)  # errors for what GPT-2 cannot hold
     state = model.state_dict()
     out = {}
@@ -267,7 +295,9 @@ def to_huggingface_state_dict(model: GPT) -> dict[str, Tensor]:
 
 def to_huggingface(model: GPT, **kwargs: Any) -> Any:
     """A transformers GPT2LMHeadModel holding model's weights (kwargs go to GPT2Config, e.g.
-    attn_implementation="sdpa")."""
+    attn_implementation="sdpa"); for a Llama-family model, convert_llama.to_huggingface_llama's."""
+    if convert_llama.is_llama_family(model.config):
+        return convert_llama.to_huggingface_llama(model, **kwargs)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     attn_implementation = kwargs.pop("attn_implementation", None)

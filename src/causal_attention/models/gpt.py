@@ -30,59 +30,129 @@ from ..attention.decode import (
     widens,
 )
 from ..attention.module import CausalSelfAttention, normalize_key_padding_mask
+from ..attention import reference
 from . import checkpoint
 from .config import GPTConfig
+from .layers import (
+    GatedMLP,
+    Rotary,
+    activation_layer,
+    heads_of,
+    inverse_frequencies,
+    norm_layer,
+    windowed_attention,
+    windowed_cached_attention,
+)
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + drop(attn(ln1(x))), then x + drop(mlp(ln2(x)))."""
+    """Pre-norm transformer block: x + drop(attn(ln1(x))), then x + drop(mlp(ln2(x))). With the
+    Llama family's options: RMSNorm, grouped-query attention, rotary positions applied to q and k
+    between the qkv projection and the attention (rotated keys in the cache), a sliding window and
+    the gated MLP."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        dim, bias = config.dim, config.bias
-        self.ln1 = nn.LayerNorm(dim, eps=config.layer_norm_eps, bias=bias)
-        self.attn = CausalSelfAttention(dim, config.n_heads, bias=bias, dropout=config.attn_dropout)
+        dim = config.dim
+        self.n_heads, self.kv_heads, self.window = config.n_heads, config.kv_heads, config.sliding_window
+        self.ln1 = norm_layer(config)
+        self.attn = CausalSelfAttention(dim, config.n_heads, n_kv_heads=config.n_kv_heads, bias=config.bias_of("qkv"),
+                                        dropout=config.attn_dropout)
+        if config.bias_of("proj") != config.bias_of("qkv"):
+            self.attn.proj = nn.Linear(dim, dim, bias=config.bias_of("proj"))
         self.attn_drop = nn.Dropout(config.resid_dropout)
-        self.ln2 = nn.LayerNorm(dim, eps=config.layer_norm_eps, bias=bias)
-        approximate = "tanh" if config.activation == "gelu_tanh" else "none"
-        self.mlp = nn.Sequential(
-            nn.Linear(dim, config.hidden, bias=bias),
-            nn.GELU(approximate=approximate),
-            nn.Linear(config.hidden, dim, bias=bias),
-            nn.Dropout(config.resid_dropout),
-        )
+        self.ln2 = norm_layer(config)
+        if config.gated_mlp:
+            self.mlp: nn.Module = GatedMLP(config)
+        else:
+            self.mlp = nn.Sequential(
+                nn.Linear(dim, config.hidden, bias=config.bias_of("mlp")),
+                activation_layer(config),
+                nn.Linear(config.hidden, dim, bias=config.bias_of("mlp")),
+                nn.Dropout(config.resid_dropout),
+            )
 
     def forward(
-        self, x: Tensor, mask: Tensor | None, *, cache: KVCache | None = None, return_weights: bool = False
+        self, x: Tensor, mask: Tensor | None, *, cache: KVCache | None = None, return_weights: bool = False,
+        rotary: Rotary | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """x (B, T, dim) -> (x (B, T, dim), attention weights (B, H, T, T) or None)."""
+        """x (B, T, dim) -> (x (B, T, dim), attention weights (B, H, T, T) or None); rotary: cos
+        and sin at x's positions (B, T, hd) for a rotary model."""
         weights = None
-        if return_weights:
+        if rotary is not None or self.window is not None:
+            a, weights = self._attention(self.ln1(x), mask, cache, rotary, return_weights)
+        elif return_weights:
             a, weights = self.attn(self.ln1(x), mask, return_weights=True)
         else:
             a = self.attn(self.ln1(x), mask, cache=cache)
         x = x + self.attn_drop(a)
         if cache is not None:  # a decode step: a few rows, no autograd (the cache is inference-only)
+            if isinstance(self.mlp, GatedMLP):
+                return x + self.mlp.step(self.ln2(x)), weights
             h = few_rows_linear(self.mlp[2], self.mlp[1](few_rows_linear(self.mlp[0], self.ln2(x))))
             return x + self.mlp[3](h), weights
         x = x + self._mlp(self.ln2(x))
         return x, weights
 
+    def _attention(self, h: Tensor, mask: Tensor | None, cache: KVCache | None, rotary: Rotary | None,
+                   return_weights: bool) -> tuple[Tensor, Tensor | None]:
+        """The attention of a rotary or windowed block, projection by projection: h (B, T, dim)
+        (normalised) -> ((B, T, dim), weights (B, H, T, T) or None)."""
+        if cache is not None:
+            if return_weights:
+                raise ValueError("return_weights is not available with a cache")
+            self.attn._check_cache(cache, h, "x")
+        linear = few_rows_linear if cache is not None else project
+        qkv = linear(self.attn.qkv, h)  # (B, T, (H + 2 Hkv) * hd)
+        if rotary is not None:
+            qkv = rotary.apply(qkv, self.n_heads, self.kv_heads)
+        y, weights = self._attend(qkv, mask, cache, return_weights)
+        return linear(self.attn.proj, y), weights
+
+    def _attend(self, qkv: Tensor, mask: Tensor | None, cache: KVCache | None,
+                return_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        """qkv (B, T, (H + 2 Hkv) * hd), q and k rotated -> joined heads (B, T, dim), weights."""
+        dropout_p = self.attn.dropout if self.training else 0.0
+        if self.window is not None:
+            if cache is not None:
+                return windowed_cached_attention(qkv, mask, cache, self.n_heads, self.kv_heads, self.window), None
+            return windowed_attention(qkv, mask, self.n_heads, self.kv_heads, self.window, dropout_p=dropout_p,
+                                      return_weights=return_weights)
+        if return_weights:
+            if dropout_p > 0:
+                raise ValueError("return_weights of a rotary model needs eval mode (no attention dropout)")
+            q, k, v = heads_of(qkv, self.n_heads, self.kv_heads)
+            y, weights = reference.attention(q, k, v, key_mask=mask, return_weights=True)
+            return y.transpose(1, 2).flatten(2), weights
+        return self.attn.attend(qkv, mask, cache=cache), None
+
     def _mlp(self, x: Tensor) -> Tensor:
         """self.mlp(x) (x (..., dim) -> (..., dim)); module by module where its products may widen
         (project: half precision on a CPU without half arithmetic) and nothing hooks the Sequential."""
         mlp = self.mlp
+        if isinstance(mlp, GatedMLP):
+            return mlp(x)
         if x.dtype in _HALF and type(mlp) is nn.Sequential and not (
             mlp._forward_hooks or mlp._forward_pre_hooks or _global_forward_hooks()
         ):
             return mlp[3](project(mlp[2], mlp[1](project(mlp[0], x))))
         return mlp(x)
 
-    def forward_packed(self, x: Tensor, packing: _Packing, *, cache: KVCache | None = None) -> Tensor:
+    def forward_packed(self, x: Tensor, packing: _Packing, *, cache: KVCache | None = None,
+                       rotary: Rotary | None = None) -> Tensor:
         """The same block on the real tokens only: x (N, dim) -> (N, dim). Every per-token
-        operation (LayerNorms, projections, MLP) runs on the N real tokens; the attention sees them
-        at their (B, T) places, with padding zeroed and masked."""
-        qkv = project(self.attn.qkv, self.ln1(x))  # (N, 3 * dim)
-        y = self.attn.attend(packing.unpack(qkv), packing.mask, cache=cache)  # (B, T, dim)
+        operation (norms, projections, rotary positions, MLP) runs on the N real tokens; the
+        attention sees them at their (B, T) places, with padding zeroed and masked. rotary: cos and
+        sin (N, hd) at the real tokens' positions."""
+        qkv = project(self.attn.qkv, self.ln1(x))  # (N, (H + 2 Hkv) * hd)
+        if rotary is not None:
+            qkv = rotary.apply(qkv, self.n_heads, self.kv_heads)
+        full = packing.unpack(qkv)  # (B, T, (H + 2 Hkv) * hd)
+        if self.window is None:
+            y = self.attn.attend(full, packing.mask, cache=cache)  # (B, T, dim)
+        else:
+            if cache is not None:
+                self.attn._check_cache(cache, full, "qkv")
+            y, _ = self._attend(full, packing.mask, cache)
         x = x + self.attn_drop(project(self.attn.proj, packing.pack(y)))
         return x + self._mlp(self.ln2(x))
 
@@ -121,8 +191,9 @@ class GPT(nn.Module):
     """Token and position embeddings, n_layers Blocks, a final LayerNorm and a head (tied to the
     token embedding unless ``config.tie_head`` is False).
 
-    Parameters: ``tok``, ``pos`` (embeddings), ``blocks.{i}.ln1``, ``.attn.qkv``, ``.attn.proj``,
-    ``.ln2``, ``.mlp.0`` and ``.mlp.2`` (the MLP's Linears), ``ln_f`` and, untied, ``head``.
+    Parameters: ``tok``, ``pos`` (embeddings; no ``pos`` with rotary positions), ``blocks.{i}.ln1``,
+    ``.attn.qkv``, ``.attn.proj``, ``.ln2``, ``.mlp.0`` and ``.mlp.2`` (the MLP's Linears; a gated
+    MLP's ``.mlp.gate_up`` and ``.mlp.down``), ``ln_f`` and, untied, ``head``.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -131,14 +202,17 @@ class GPT(nn.Module):
             raise TypeError(f"config must be a GPTConfig; got {type(config).__name__}")
         self.config = config
         self.tok = nn.Embedding(config.vocab_size, config.dim)
-        self.pos = nn.Embedding(config.max_len, config.dim)
+        self.pos = nn.Embedding(config.max_len, config.dim) if config.positions == "learned" else None
+        # Rotary frequencies: float32 whatever the model's dtype (not a buffer, which .to() would round).
+        self._inv_freq = inverse_frequencies(config) if config.positions == "rope" else None
         self.drop = nn.Dropout(config.embd_dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.ln_f = nn.LayerNorm(config.dim, eps=config.layer_norm_eps, bias=config.bias)
+        self.ln_f = norm_layer(config)
         if not config.tie_head:
             self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
         nn.init.normal_(self.tok.weight, std=0.02)
-        nn.init.normal_(self.pos.weight, std=0.02)
+        if self.pos is not None:
+            nn.init.normal_(self.pos.weight, std=0.02)
 
     @property
     def head_weight(self) -> Tensor:
@@ -151,8 +225,9 @@ class GPT(nn.Module):
         advise_huge_pages(self.parameters())
         return [b.attn.make_cache(batch_size, max_len or self.config.max_len) for b in self.blocks]
 
-    def _embed(self, tokens: Tensor, caches: list[KVCache] | None) -> Tensor:
-        """tokens (B, T) -> embeddings (B, T, dim), at per-sequence positions (after the cache)."""
+    def _embed(self, tokens: Tensor, caches: list[KVCache] | None) -> tuple[Tensor, Rotary | None]:
+        """tokens (B, T) -> (embeddings (B, T, dim), rotary cos and sin (B, T, hd) or None), at
+        per-sequence positions (after the cache)."""
         if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"tokens must be an int64 or int32 tensor of shape (B, T); got {tokens!r:.80}")
         B, T = tokens.shape
@@ -169,7 +244,11 @@ class GPT(nn.Module):
         positions = offset + torch.arange(T, device=tokens.device)  # (B, T)
         # Checked on the values where compile and export keep it (the embedding lookup must not read past it).
         torch._assert_async((positions < self.config.max_len).all(), f"sequence longer than max_len={self.config.max_len}")
-        return self.drop(self.tok(tokens) + self.pos(positions))
+        if self.pos is not None:
+            return self.drop(self.tok(tokens) + self.pos(positions)), None
+        x = self.drop(self.tok(tokens))
+        assert self._inv_freq is not None
+        return x, Rotary.at(positions, self._inv_freq, x.dtype)
 
     def _packing(self, x: Tensor, mask: Tensor | None) -> _Packing | None:
         """Pack the real tokens when there is padding to skip (eager only: compiled and exported
@@ -183,16 +262,17 @@ class GPT(nn.Module):
     ) -> tuple[Tensor, _Packing | None]:
         """The final hidden states (after ln_f): ((B, T, dim), None), or ((N, dim), packing) for
         the N real tokens of a padded batch (every per-token operation skips the padding)."""
-        x = self._embed(tokens, caches)  # (B, T, dim)
+        x, rotary = self._embed(tokens, caches)  # (B, T, dim)
         mask = normalize_key_padding_mask(key_padding_mask, x)
         packing = self._packing(x, mask)
         if packing is None:
             for i, block in enumerate(self.blocks):
-                x, _ = block(x, mask, cache=None if caches is None else caches[i])
+                x, _ = block(x, mask, cache=None if caches is None else caches[i], rotary=rotary)
             return self.ln_f(x), None
         h = packing.pack(x)  # (N, dim)
+        rotary = None if rotary is None else rotary.pack(packing.pack)  # (N, hd)
         for i, block in enumerate(self.blocks):
-            h = block.forward_packed(h, packing, cache=None if caches is None else caches[i])
+            h = block.forward_packed(h, packing, cache=None if caches is None else caches[i], rotary=rotary)
         return self.ln_f(h), packing
 
     def logits(self, h: Tensor, *, float32: bool = False) -> Tensor:
@@ -225,11 +305,11 @@ class GPT(nn.Module):
         if return_attention:
             if caches is not None:
                 raise ValueError("return_attention is not available with caches (it materialises T x T weights)")
-            x = self._embed(tokens, None)
+            x, rotary = self._embed(tokens, None)
             mask = normalize_key_padding_mask(key_padding_mask, x)
             maps = []
             for block in self.blocks:
-                x, w = block(x, mask, return_weights=True)
+                x, w = block(x, mask, return_weights=True, rotary=rotary)
                 assert w is not None
                 maps.append(w)
             return self._zero_padding(self.logits(self.ln_f(x), float32=float32_logits), mask), maps
