@@ -73,6 +73,46 @@ void GPTConfig::validate() const {
       throw std::invalid_argument(concat("GPTConfig.", name, " must be a probability in [0, 1); got ", p));
     }
   }
+  // The Llama family's options, in gpt.py's _check_llama_options order and words.
+  const std::pair<const char*, std::optional<int64_t>> optional_positive[] = {{"n_kv_heads", n_kv_heads},
+                                                                              {"sliding_window", sliding_window}};
+  for (const auto& [name, value] : optional_positive) {
+    if (value.has_value() && *value <= 0) {
+      throw std::invalid_argument(concat("GPTConfig.", name, " must be None or a positive int; got ", *value));
+    }
+  }
+  if (n_kv_heads.has_value() && n_heads % *n_kv_heads != 0) {
+    throw std::invalid_argument(concat("GPTConfig: n_kv_heads=", *n_kv_heads, " must divide n_heads=", n_heads));
+  }
+  if (norm != "layernorm" && norm != "rmsnorm") {
+    throw std::invalid_argument(concat("GPTConfig.norm must be 'layernorm' or 'rmsnorm'; got '", norm, "'"));
+  }
+  if (positions != "learned" && positions != "rope") {
+    throw std::invalid_argument(concat("GPTConfig.positions must be 'learned' or 'rope'; got '", positions, "'"));
+  }
+  if (positions == "rope" && head_dim() % 2 != 0) {
+    throw std::invalid_argument(concat("GPTConfig: rotary positions need an even head_dim; got ", head_dim()));
+  }
+  if (!(rope_theta > 0)) {
+    throw std::invalid_argument(concat("GPTConfig.rope_theta must be a positive number; got ", rope_theta));
+  }
+  if (rope_scaling.has_value()) {
+    if (positions != "rope") throw std::invalid_argument("GPTConfig.rope_scaling needs positions='rope'");
+    const auto& r = *rope_scaling;
+    const std::pair<const char*, double> factors[] = {{"factor", r.factor},
+                                                      {"low_freq_factor", r.low_freq_factor},
+                                                      {"high_freq_factor", r.high_freq_factor},
+                                                      {"original_max_position_embeddings",
+                                                       r.original_max_position_embeddings}};
+    for (const auto& [name, value] : factors) {
+      if (!(value > 0)) {
+        throw std::invalid_argument(concat("GPTConfig.rope_scaling: ", name, " must be a positive number; got ", value));
+      }
+    }
+    if (!(r.high_freq_factor > r.low_freq_factor)) {
+      throw std::invalid_argument("GPTConfig.rope_scaling: high_freq_factor must exceed low_freq_factor");
+    }
+  }
 }
 
 namespace {
@@ -81,12 +121,16 @@ namespace {
 // the demo's, with mlp_ratio, whose missing options take the values of the model it built.
 // A field of GPTConfig; its type says which JSON values it takes.
 using Field = std::variant<int64_t GPTConfig::*, std::optional<int64_t> GPTConfig::*, double GPTConfig::*,
-                           bool GPTConfig::*, std::string GPTConfig::*>;
+                           bool GPTConfig::*, std::string GPTConfig::*, std::optional<bool> GPTConfig::*,
+                           std::optional<GPTConfig::RopeScaling> GPTConfig::*>;
 struct Option {
   const char* key;
   Field field;
 };
-const std::array<Option, 13> kOptions{{{"vocab_size", &GPTConfig::vocab_size},
+// The first kRequired are in every config.json (GPT.save writes them); the Llama family's after them
+// only where they differ from their defaults.
+constexpr size_t kRequired = 13;
+const std::array<Option, 23> kOptions{{{"vocab_size", &GPTConfig::vocab_size},
                                        {"max_len", &GPTConfig::max_len},
                                        {"dim", &GPTConfig::dim},
                                        {"n_layers", &GPTConfig::n_layers},
@@ -98,7 +142,17 @@ const std::array<Option, 13> kOptions{{{"vocab_size", &GPTConfig::vocab_size},
                                        {"tie_head", &GPTConfig::tie_head},
                                        {"attn_dropout", &GPTConfig::attn_dropout},
                                        {"resid_dropout", &GPTConfig::resid_dropout},
-                                       {"embd_dropout", &GPTConfig::embd_dropout}}};
+                                       {"embd_dropout", &GPTConfig::embd_dropout},
+                                       {"n_kv_heads", &GPTConfig::n_kv_heads},
+                                       {"norm", &GPTConfig::norm},
+                                       {"gated_mlp", &GPTConfig::gated_mlp},
+                                       {"positions", &GPTConfig::positions},
+                                       {"rope_theta", &GPTConfig::rope_theta},
+                                       {"rope_scaling", &GPTConfig::rope_scaling},
+                                       {"qkv_bias", &GPTConfig::qkv_bias},
+                                       {"proj_bias", &GPTConfig::proj_bias},
+                                       {"mlp_bias", &GPTConfig::mlp_bias},
+                                       {"sliding_window", &GPTConfig::sliding_window}}};
 constexpr std::array<const char*, 6> kLegacyRequired{"vocab_size", "max_len", "dim", "n_layers", "n_heads", "mlp_ratio"};
 
 const std::vector<std::pair<std::string, nlohmann::json>>& legacy_defaults() {
@@ -139,21 +193,9 @@ bool check_keys(const nlohmann::json& values, const std::string& source) {
   const auto is_option = [](const std::string& key) {
     return std::any_of(kOptions.begin(), kOptions.end(), [&](const Option& option) { return key == option.key; });
   };
-  // The Llama family's options of gpt.py's GPTConfig (config.json holds them where they differ from
-  // GPT-2's architecture): known, but not built here yet.
-  constexpr std::array<const char*, 10> kLlamaOptions{"gated_mlp", "mlp_bias",  "n_kv_heads",   "norm",
-                                                      "positions", "proj_bias", "qkv_bias",     "rope_scaling",
-                                                      "rope_theta", "sliding_window"};
-  const auto is_llama = [&](const std::string& key) {
-    return std::any_of(kLlamaOptions.begin(), kLlamaOptions.end(), [&](const char* option) { return key == option; });
-  };
-  std::vector<std::string> unknown, llama;
+  std::vector<std::string> unknown;
   for (const auto& [key, _] : values.items()) {  // sorted, as nlohmann::json keeps objects
-    if (is_llama(key)) {
-      llama.push_back(key);
-    } else if (!is_option(key) && key != "format" && key != "mlp_ratio") {
-      unknown.push_back(key);
-    }
+    if (!is_option(key) && key != "format" && key != "mlp_ratio") unknown.push_back(key);
   }
   if (!unknown.empty()) {
     throw FormatError(concat(source, ": unknown option(s) ", listing(unknown),
@@ -161,11 +203,6 @@ bool check_keys(const nlohmann::json& values, const std::string& source) {
                              "layer_norm_eps, max_len, mlp_bias, mlp_hidden, n_heads, n_kv_heads, n_layers, norm, "
                              "positions, proj_bias, qkv_bias, resid_dropout, rope_scaling, rope_theta, "
                              "sliding_window, tie_head, vocab_size"));
-  }
-  if (!llama.empty()) {
-    throw FormatError(concat(source, ": option(s) ", listing(llama),
-                             " (the Llama family) are not implemented by the C++ GPT yet; Python's GPT.load reads "
-                             "this model"));
   }
   if (values.contains("format") && values["format"] != kFormat) {
     throw FormatError(concat(source, ": format must be \"", kFormat, "\"; got ", values["format"].dump()));
@@ -180,8 +217,8 @@ bool check_keys(const nlohmann::json& values, const std::string& source) {
       if (!values.contains(key)) missing.emplace_back(key);
     }
   } else {
-    for (const auto& option : kOptions) {
-      if (!values.contains(option.key)) missing.emplace_back(option.key);
+    for (size_t i = 0; i < kRequired; ++i) {
+      if (!values.contains(kOptions[i].key)) missing.emplace_back(kOptions[i].key);
     }
   }
   std::sort(missing.begin(), missing.end());
@@ -189,6 +226,31 @@ bool check_keys(const nlohmann::json& values, const std::string& source) {
     throw FormatError(concat(source, ": missing option(s) ", listing(missing), " (GPT.save writes every option)"));
   }
   return legacy;
+}
+
+// rope_scaling's object: Llama 3's scaling, its four numbers (gpt.py's _check_rope_scaling's rules).
+GPTConfig::RopeScaling read_rope_scaling(const nlohmann::json& value, const std::string& source) {
+  const auto kind = value.contains("rope_type") ? value["rope_type"] : value.value("type", nlohmann::json());
+  if (kind != "llama3") {
+    throw FormatError(concat(source, ": GPTConfig.rope_scaling: rope_type ", kind.dump(),
+                             " is not supported (only 'llama3')"));
+  }
+  const char* keys[] = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"};
+  double numbers[4];
+  for (int i = 0; i < 4; ++i) {
+    if (!value.contains(keys[i]) || !value[keys[i]].is_number()) {
+      throw FormatError(concat(source, ": GPTConfig.rope_scaling (llama3): ", keys[i], " must be a number"));
+    }
+    numbers[i] = value[keys[i]].get<double>();
+  }
+  for (const auto& [key, _] : value.items()) {
+    if (key != "rope_type" && key != "type" && std::none_of(std::begin(keys), std::end(keys), [&](const char* k) {
+          return key == k;
+        })) {
+      throw FormatError(concat(source, ": GPTConfig.rope_scaling (llama3): unknown key '", key, "'"));
+    }
+  }
+  return {numbers[0], numbers[1], numbers[2], numbers[3]};
 }
 
 // One option's value into its field, by the field's type (true or 2.0 is no int).
@@ -213,6 +275,15 @@ void read_option(const Option& option, const nlohmann::json& value, GPTConfig& c
                         [&](std::string GPTConfig::*field) {
                           if (!value.is_string()) throw wrong("a string");
                           config.*field = value.get<std::string>();
+                        },
+                        [&](std::optional<bool> GPTConfig::*field) {
+                          if (!value.is_null() && !value.is_boolean()) throw wrong("true, false or null");
+                          config.*field = value.is_null() ? std::nullopt : std::optional<bool>(value.get<bool>());
+                        },
+                        [&](std::optional<GPTConfig::RopeScaling> GPTConfig::*field) {
+                          if (!value.is_null() && !value.is_object()) throw wrong("an object or null");
+                          config.*field = value.is_null() ? std::optional<GPTConfig::RopeScaling>()
+                                                          : std::optional(read_rope_scaling(value, source));
                         }},
              option.field);
 }
@@ -264,6 +335,10 @@ GPTConfig GPTConfig::from_json(const std::string& text, const std::string& sourc
   } catch (const std::invalid_argument& error) {
     throw FormatError(concat(source, ": ", error.what()));
   }
+  if (config.sliding_window.has_value()) {
+    throw FormatError(concat(source, ": sliding_window (Mistral's) is not implemented by the C++ GPT yet; Python's "
+                                     "GPT.load reads this model"));
+  }
   return config;
 }
 
@@ -283,39 +358,170 @@ std::string GPTConfig::to_json() const {
   out["attn_dropout"] = attn_dropout;
   out["resid_dropout"] = resid_dropout;
   out["embd_dropout"] = embd_dropout;
+  // The Llama family's options where they differ from their defaults (as GPTConfig.to_dict).
+  if (n_kv_heads.has_value()) out["n_kv_heads"] = *n_kv_heads;
+  if (norm != "layernorm") out["norm"] = norm;
+  if (gated_mlp) out["gated_mlp"] = true;
+  if (positions != "learned") out["positions"] = positions;
+  if (rope_theta != 10000.0) out["rope_theta"] = rope_theta;
+  if (rope_scaling.has_value()) {
+    out["rope_scaling"] = {{"rope_type", "llama3"},
+                           {"factor", rope_scaling->factor},
+                           {"low_freq_factor", rope_scaling->low_freq_factor},
+                           {"high_freq_factor", rope_scaling->high_freq_factor},
+                           {"original_max_position_embeddings", rope_scaling->original_max_position_embeddings}};
+  }
+  const std::pair<const char*, std::optional<bool>> biases[] = {
+      {"qkv_bias", qkv_bias}, {"proj_bias", proj_bias}, {"mlp_bias", mlp_bias}};
+  for (const auto& [key, value] : biases) {
+    if (value.has_value()) out[key] = *value;
+  }
+  if (sliding_window.has_value()) out["sliding_window"] = *sliding_window;
   return out.dump(2);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Modules
 
-LayerNormImpl::LayerNormImpl(int64_t dim, double eps, bool bias) : dim_(dim), eps_(eps) {
+LayerNormImpl::LayerNormImpl(int64_t dim, double eps, bool bias, bool rms) : dim_(dim), eps_(eps), rms_(rms) {
   weight = register_parameter("weight", torch::ones({dim}));
-  if (bias) this->bias = register_parameter("bias", torch::zeros({dim}));
+  if (bias && !rms) this->bias = register_parameter("bias", torch::zeros({dim}));
 }
 
 at::Tensor LayerNormImpl::forward(const at::Tensor& x) {
+  if (rms_) {  // Llama's RMSNorm: in float32 whatever x's dtype, rounded back, then the weight
+    auto h = x.to(at::kFloat);
+    h = h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps_);
+    return weight * h.to(x.scalar_type());
+  }
   return at::layer_norm(x, {dim_}, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, eps_);
 }
 
-BlockImpl::BlockImpl(const GPTConfig& config) {
+GatedMLPImpl::GatedMLPImpl(const GPTConfig& config) : hidden_(config.hidden()), silu_(config.activation == "silu") {
+  const bool bias = config.mlp_has_bias();
+  gate_up = register_module("gate_up", torch::nn::Linear(torch::nn::LinearOptions(config.dim, 2 * hidden_).bias(bias)));
+  down = register_module("down", torch::nn::Linear(torch::nn::LinearOptions(hidden_, config.dim).bias(bias)));
+  drop = register_module("drop", torch::nn::Dropout(config.resid_dropout));
+  approximate_ = config.activation == "gelu_tanh" ? "tanh" : "none";
+}
+
+at::Tensor GatedMLPImpl::forward(const at::Tensor& x, bool step) {
+  const auto optional = [](const at::Tensor& b) { return b.defined() ? std::optional<at::Tensor>(b) : std::nullopt; };
+  const auto linear = [&](const at::Tensor& in, const torch::nn::Linear& layer) {
+    return step ? few_rows_linear(in, layer->weight, layer->bias) : project(in, layer->weight, optional(layer->bias));
+  };
+  const auto both = linear(x, gate_up);  // (..., 2 * hidden): gate | up
+  const auto gate = both.narrow(-1, 0, hidden_), up = both.narrow(-1, hidden_, hidden_);
+  const auto act = silu_ ? at::silu(gate) : at::gelu(gate, approximate_);
+  return drop->forward(linear(act * up, down));
+}
+
+// cos and sin (..., hd) at positions (...), in dtype: computed in float32 as transformers computes them.
+Rotary Rotary::at(const at::Tensor& positions, const at::Tensor& inv_freq, at::ScalarType dtype) {
+  const auto freqs = positions.unsqueeze(-1).to(at::kFloat) * inv_freq;  // (..., hd / 2)
+  const auto angles = at::cat({freqs, freqs}, -1);                        // (..., hd)
+  return {angles.cos().to(dtype), angles.sin().to(dtype)};
+}
+
+// qkv (B, T, (H + 2 Hkv) * hd) -> the same with q and k rotated: x * cos + rotate_half(x) * sin.
+at::Tensor Rotary::apply(const at::Tensor& qkv, int64_t n_heads, int64_t kv_heads) const {
+  const int64_t hd = cos.size(-1);
+  const auto c = cos.unsqueeze(-2), s = sin.unsqueeze(-2);  // (..., 1, hd)
+  const auto rotate = [&](const at::Tensor& part, int64_t heads) {
+    auto sizes = part.sizes().vec();
+    sizes.back() = heads;
+    sizes.push_back(hd);
+    const auto x = part.reshape(sizes);
+    const auto half = at::cat({-x.narrow(-1, hd / 2, hd / 2), x.narrow(-1, 0, hd / 2)}, -1);
+    return ((x * c) + (half * s)).flatten(-2);
+  };
+  const auto q = qkv.narrow(-1, 0, n_heads * hd), k = qkv.narrow(-1, n_heads * hd, kv_heads * hd);
+  const auto v = qkv.narrow(-1, (n_heads + kv_heads) * hd, kv_heads * hd);
+  return at::cat({rotate(q, n_heads), rotate(k, kv_heads), v}, -1);
+}
+
+at::Tensor inverse_frequencies(const GPTConfig& config) {
+  const int64_t hd = config.head_dim();
+  const auto steps = at::arange(0, hd, 2, at::kLong).to(at::kFloat);
+  auto inv = 1.0 / at::pow(config.rope_theta, steps / static_cast<double>(hd));  // float32, as transformers
+  if (!config.rope_scaling.has_value()) return inv.to(at::kFloat);
+  const auto& r = *config.rope_scaling;
+  const double low_wavelen = r.original_max_position_embeddings / r.low_freq_factor;
+  const double high_wavelen = r.original_max_position_embeddings / r.high_freq_factor;
+  const auto wavelen = 2 * M_PI / inv;
+  const auto scaled = at::where(wavelen > low_wavelen, inv / r.factor, inv);
+  const auto smooth = (r.original_max_position_embeddings / wavelen - r.low_freq_factor) /
+                      (r.high_freq_factor - r.low_freq_factor);
+  const auto smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled;
+  const auto medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
+  return at::where(medium, smoothed, scaled).to(at::kFloat);
+}
+
+BlockImpl::BlockImpl(const GPTConfig& config) : n_kv_heads_(config.n_kv_heads) {
   config.validate();
-  ln1 = register_module("ln1", LayerNorm(config.dim, config.layer_norm_eps, config.bias));
+  const bool rms = config.norm == "rmsnorm";
+  ln1 = register_module("ln1", LayerNorm(config.dim, config.layer_norm_eps, config.bias, rms));
   attn = register_module("attn", CausalSelfAttention(CausalSelfAttentionOptions(config.dim, config.n_heads)
                                                          .dropout(config.attn_dropout)
-                                                         .bias(config.bias)));
+                                                         .bias(config.qkv_has_bias())
+                                                         .n_kv_heads(config.n_kv_heads)));
+  if (config.proj_has_bias() != config.qkv_has_bias()) {
+    attn->proj = attn->replace_module(
+        "proj", torch::nn::Linear(torch::nn::LinearOptions(config.dim, config.dim).bias(config.proj_has_bias())));
+  }
   attn_drop = register_module("attn_drop", torch::nn::Dropout(config.resid_dropout));
-  ln2 = register_module("ln2", LayerNorm(config.dim, config.layer_norm_eps, config.bias));
+  ln2 = register_module("ln2", LayerNorm(config.dim, config.layer_norm_eps, config.bias, rms));
+  if (config.gated_mlp) {
+    gated = register_module("mlp", GatedMLP(config));
+    return;
+  }
+  const bool bias = config.mlp_has_bias();
   const auto approximate = config.activation == "gelu_tanh" ? "tanh" : "none";
-  torch::nn::Sequential layers(torch::nn::Linear(torch::nn::LinearOptions(config.dim, config.hidden()).bias(config.bias)));
+  torch::nn::Sequential layers(torch::nn::Linear(torch::nn::LinearOptions(config.dim, config.hidden()).bias(bias)));
   if (config.activation == "silu") {
     layers->push_back(torch::nn::SiLU());
   } else {
     layers->push_back(torch::nn::GELU(torch::nn::GELUOptions().approximate(approximate)));
   }
-  layers->push_back(torch::nn::Linear(torch::nn::LinearOptions(config.hidden(), config.dim).bias(config.bias)));
+  layers->push_back(torch::nn::Linear(torch::nn::LinearOptions(config.hidden(), config.dim).bias(bias)));
   layers->push_back(torch::nn::Dropout(config.resid_dropout));
   mlp = register_module("mlp", layers);
+}
+
+at::Tensor BlockImpl::mlp_of(const at::Tensor& x, bool step) {
+  if (gated) return gated->forward(x, step);
+  if (!step) return mlp_forward(x);
+  // The MLP module by module, so that a decode step's few rows take few_rows_linear's W x^T path.
+  const auto& fc = mlp[0]->as<torch::nn::LinearImpl>();
+  const auto& out = mlp[2]->as<torch::nn::LinearImpl>();
+  const auto inner = activate(few_rows_linear(x, fc->weight, fc->bias));
+  return mlp[3]->as<torch::nn::DropoutImpl>()->forward(few_rows_linear(inner, out->weight, out->bias));
+}
+
+at::Tensor BlockImpl::forward(const at::Tensor& x, const std::optional<at::Tensor>& mask, KVCache* cache,
+                              const Rotary& rotary) {
+  const auto optional = [](const at::Tensor& b) { return b.defined() ? std::optional<at::Tensor>(b) : std::nullopt; };
+  const auto h = ln1->forward(x);  // (B, T, dim)
+  const int64_t H = attn->n_heads(), Hkv = attn->n_kv_heads();
+  at::Tensor y;
+  if (cache == nullptr) {
+    const auto qkv = rotary.apply(project(h, attn->qkv->weight, optional(attn->qkv->bias)), H, Hkv);
+    const double dropout_p = is_training() ? attn->dropout() : 0.0;
+    y = project(attention(qkv, mask, H, dropout_p, std::nullopt, n_kv_heads_), attn->proj->weight,
+                optional(attn->proj->bias));
+  } else {
+    TORCH_CHECK_VALUE(x.device().is_cpu() && !at::GradMode::is_enabled(),
+                      "the C++ KV cache path runs on CPU tensors under torch::NoGradGuard");
+    const auto qkv = rotary.apply(few_rows_linear(h, attn->qkv->weight, attn->qkv->bias), H, Hkv);
+    const auto start = cache->lengths;                                             // (B,)
+    const auto end = cache_end(start, mask, x.size(1), cache->max_len());          // (B,), checked
+    kernels::kv_cache_write_cpu(qkv, cache->k, cache->v, start, end, H, n_kv_heads_);  // rotated keys
+    const auto heads = kernels::decode_attention_cpu(qkv, cache->k, cache->v, start, end, H, n_kv_heads_);
+    cache->lengths.copy_(end);
+    y = few_rows_linear(heads, attn->proj->weight, attn->proj->bias);
+  }
+  const auto out = x + attn_drop->forward(y);
+  return out + mlp_of(ln2->forward(out), cache != nullptr);
 }
 
 // The MLP's activation, mlp[1]: GELU (exact or tanh) or SiLU.
@@ -326,7 +532,7 @@ at::Tensor BlockImpl::activate(const at::Tensor& x) {
 
 at::Tensor BlockImpl::forward(const at::Tensor& x, const std::optional<at::Tensor>& mask) {
   const auto h = x + attn_drop->forward(attn->forward(ln1->forward(x), mask));  // (B, T, dim)
-  return h + mlp_forward(ln2->forward(h));
+  return h + mlp_of(ln2->forward(h), false);
 }
 
 // The MLP module by module, its linear layers by causal_attention::project (widened for half precision
@@ -341,27 +547,29 @@ at::Tensor BlockImpl::mlp_forward(const at::Tensor& x) {
 
 at::Tensor BlockImpl::forward(const at::Tensor& x, const std::optional<at::Tensor>& mask, KVCache& cache) {
   const auto h = x + attn_drop->forward(attn->forward(ln1->forward(x), mask, cache));  // (B, t, dim)
-  // The MLP module by module, so that a decode step's few rows take few_rows_linear's W x^T path.
-  const auto& fc = mlp[0]->as<torch::nn::LinearImpl>();
-  const auto& out = mlp[2]->as<torch::nn::LinearImpl>();
-  const auto inner = activate(few_rows_linear(ln2->forward(h), fc->weight, fc->bias));
-  return h + mlp[3]->as<torch::nn::DropoutImpl>()->forward(few_rows_linear(inner, out->weight, out->bias));
+  return h + mlp_of(ln2->forward(h), true);
 }
 
 GPTImpl::GPTImpl(GPTConfig config) : config_(std::move(config)) {
   config_.validate();
+  TORCH_CHECK_VALUE(!config_.sliding_window.has_value(),
+                    "GPTConfig.sliding_window (Mistral's) is not implemented by the C++ GPT yet");
   tok = register_module("tok", torch::nn::Embedding(config_.vocab_size, config_.dim));
-  pos = register_module("pos", torch::nn::Embedding(config_.max_len, config_.dim));
+  if (config_.positions == "learned") {
+    pos = register_module("pos", torch::nn::Embedding(config_.max_len, config_.dim));
+  } else {
+    inv_freq_ = inverse_frequencies(config_);
+  }
   drop = register_module("drop", torch::nn::Dropout(config_.embd_dropout));
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < config_.n_layers; ++i) blocks->push_back(Block(config_));
-  ln_f = register_module("ln_f", LayerNorm(config_.dim, config_.layer_norm_eps, config_.bias));
+  ln_f = register_module("ln_f", LayerNorm(config_.dim, config_.layer_norm_eps, config_.bias, config_.norm == "rmsnorm"));
   if (!config_.tie_head) {
     head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(config_.dim, config_.vocab_size).bias(false)));
   }
   torch::NoGradGuard no_grad;
   torch::nn::init::normal_(tok->weight, 0.0, 0.02);
-  torch::nn::init::normal_(pos->weight, 0.0, 0.02);
+  if (pos) torch::nn::init::normal_(pos->weight, 0.0, 0.02);
 }
 
 at::Tensor GPTImpl::head_weight() const { return config_.tie_head ? tok->weight : head->weight; }
@@ -391,10 +599,31 @@ at::Tensor GPTImpl::embed(const at::Tensor& tokens, const at::Tensor& offset) {
     TORCH_CHECK_VALUE(low >= 0 && high < config_.vocab_size, "tokens must be in 0..", config_.vocab_size - 1,
                       " (vocab_size=", config_.vocab_size, "); got values in ", low, "..", high);
   }
+  const auto at = positions(tokens, offset);  // (B, T)
+  return drop->forward(pos ? tok->forward(tokens) + pos->forward(at) : tok->forward(tokens));  // (B, T, dim)
+}
+
+at::Tensor GPTImpl::positions(const at::Tensor& tokens, const at::Tensor& offset) const {
   const auto positions = offset.unsqueeze(1) + at::arange(tokens.size(1), offset.options());  // (B, T)
   const auto last = positions.numel() > 0 ? positions.max().item<int64_t>() : 0;
   TORCH_CHECK_VALUE(last < config_.max_len, "sequence longer than max_len=", config_.max_len, " (position ", last, ")");
-  return drop->forward(tok->forward(tokens) + pos->forward(positions));  // (B, T, dim)
+  return positions;
+}
+
+at::Tensor GPTImpl::run_blocks(at::Tensor x, const std::optional<at::Tensor>& mask, const at::Tensor& positions,
+                               std::vector<KVCache>* caches) {
+  if (!inv_freq_.defined()) {
+    for (size_t i = 0; i < blocks->size(); ++i) {
+      auto* block = blocks[i]->as<BlockImpl>();
+      x = caches == nullptr ? block->forward(x, mask) : block->forward(x, mask, (*caches)[i]);
+    }
+    return x;
+  }
+  const auto rotary = Rotary::at(positions, inv_freq_, x.scalar_type());  // (B, T, hd)
+  for (size_t i = 0; i < blocks->size(); ++i) {
+    x = blocks[i]->as<BlockImpl>()->forward(x, mask, caches == nullptr ? nullptr : &(*caches)[i], rotary);
+  }
+  return x;
 }
 
 at::Tensor GPTImpl::logits(const at::Tensor& h, bool float32) const {
@@ -407,9 +636,10 @@ at::Tensor GPTImpl::logits(const at::Tensor& h, bool float32) const {
 
 at::Tensor GPTImpl::forward(const at::Tensor& tokens, const std::optional<at::Tensor>& key_padding_mask,
                             bool float32_logits) {
-  auto x = embed(tokens, at::zeros({tokens.dim() == 2 ? tokens.size(0) : 0}, at::kLong));  // (B, T, dim)
-  const auto mask = normalize_key_padding_mask(key_padding_mask, x);                        // (B, T) bool or none
-  for (const auto& block : *blocks) x = block->as<BlockImpl>()->forward(x, mask);
+  const auto offset = at::zeros({tokens.dim() == 2 ? tokens.size(0) : 0}, at::kLong);
+  auto x = embed(tokens, offset);                                     // (B, T, dim)
+  const auto mask = normalize_key_padding_mask(key_padding_mask, x);  // (B, T) bool or none
+  x = run_blocks(x, mask, positions(tokens, offset), nullptr);
   const auto out = logits(ln_f->forward(x), float32_logits);  // (B, T, V)
   return mask.has_value() ? out.masked_fill(mask->logical_not().unsqueeze(-1), 0) : out;
 }
@@ -420,7 +650,7 @@ at::Tensor GPTImpl::hidden_states(const at::Tensor& tokens, const std::optional<
                     "caches must hold one KVCache per layer (", config_.n_layers, "); got ", caches.size());
   auto x = embed(tokens, caches.front().lengths);                     // (B, t, dim)
   const auto mask = normalize_key_padding_mask(key_padding_mask, x);  // (B, t) bool or none
-  for (size_t i = 0; i < caches.size(); ++i) x = blocks[i]->as<BlockImpl>()->forward(x, mask, caches[i]);
+  x = run_blocks(x, mask, positions(tokens, caches.front().lengths), &caches);
   return ln_f->forward(x);
 }
 
@@ -507,20 +737,29 @@ int64_t times(int64_t factor, int64_t size) {
 
 Layout parameter_layout(const GPTConfig& c) {
   const int64_t d = c.dim, h = c.mlp_hidden.value_or(times(4, c.dim));
-  const auto with_bias = [&](std::vector<TensorShape>& out, const std::string& name, std::vector<int64_t> shape) {
+  const auto with_bias = [&](std::vector<TensorShape>& out, const std::string& name, std::vector<int64_t> shape,
+                             bool bias) {
     const int64_t rows = shape.front();
     out.push_back({name + ".weight", std::move(shape)});
-    if (c.bias) out.push_back({name + ".bias", {rows}});
+    if (bias) out.push_back({name + ".bias", {rows}});
   };
+  const bool norm_bias = c.bias && c.norm == "layernorm";
+  const int64_t qkv_rows = times(c.n_heads + 2 * c.kv_heads(), c.head_dim());
   Layout layout;
-  layout.before = {{"tok.weight", {c.vocab_size, d}}, {"pos.weight", {c.max_len, d}}};
-  with_bias(layout.block, "ln1", {d});
-  with_bias(layout.block, "attn.qkv", {times(3, d), d});
-  with_bias(layout.block, "attn.proj", {d, d});
-  with_bias(layout.block, "ln2", {d});
-  with_bias(layout.block, "mlp.0", {h, d});
-  with_bias(layout.block, "mlp.2", {d, h});
-  with_bias(layout.after, "ln_f", {d});
+  layout.before = {{"tok.weight", {c.vocab_size, d}}};
+  if (c.positions == "learned") layout.before.push_back({"pos.weight", {c.max_len, d}});
+  with_bias(layout.block, "ln1", {d}, norm_bias);
+  with_bias(layout.block, "attn.qkv", {qkv_rows, d}, c.qkv_has_bias());
+  with_bias(layout.block, "attn.proj", {d, d}, c.proj_has_bias());
+  with_bias(layout.block, "ln2", {d}, norm_bias);
+  if (c.gated_mlp) {
+    with_bias(layout.block, "mlp.gate_up", {times(2, h), d}, c.mlp_has_bias());
+    with_bias(layout.block, "mlp.down", {d, h}, c.mlp_has_bias());
+  } else {
+    with_bias(layout.block, "mlp.0", {h, d}, c.mlp_has_bias());
+    with_bias(layout.block, "mlp.2", {d, h}, c.mlp_has_bias());
+  }
+  with_bias(layout.after, "ln_f", {d}, norm_bias);
   if (!c.tie_head) layout.after.push_back({"head.weight", {c.vocab_size, d}});
   return layout;
 }

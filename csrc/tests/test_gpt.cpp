@@ -137,6 +137,63 @@ TEST(GPTConfig, JsonRoundTripAndStrictness) {
   EXPECT_THROW(GPTConfig::from_json(R"({"vocab_size": 5, "max_len": )"), FormatError);
 }
 
+// The Llama family's options: written only where they differ from GPT-2's (a GPT-2 config.json keeps
+// its keys), read back equal, optional when absent, refused with gpt.py's words when out of range; a
+// Llama-family GPT's parameter names are the Python ones.
+TEST(GPTConfig, LlamaOptionsRoundTripAndChecks) {
+  auto config = small_config(false, false);
+  EXPECT_FALSE(json::parse(config.to_json()).contains("norm"));
+  config.n_kv_heads = 2;
+  config.norm = "rmsnorm";
+  config.gated_mlp = true;
+  config.activation = "silu";
+  config.positions = "rope";
+  config.rope_theta = 500000.0;
+  config.rope_scaling = GPTConfig::RopeScaling{8.0, 1.0, 4.0, 16.0};
+  config.qkv_bias = true;
+  const auto back = GPTConfig::from_json(config.to_json());
+  EXPECT_EQ(back.to_json(), config.to_json());
+  EXPECT_EQ(back.kv_heads(), 2);
+  EXPECT_TRUE(back.qkv_has_bias());
+  EXPECT_FALSE(back.proj_has_bias());
+  ASSERT_TRUE(back.rope_scaling.has_value());
+  EXPECT_EQ(back.rope_scaling->factor, 8.0);
+
+  const auto message_of = [](const GPTConfig& c) {
+    try {
+      c.validate();
+    } catch (const std::invalid_argument& error) {
+      return std::string(error.what());
+    }
+    return std::string();
+  };
+  auto bad = config;
+  bad.n_kv_heads = 3;
+  EXPECT_EQ(message_of(bad), "GPTConfig: n_kv_heads=3 must divide n_heads=4");
+  bad = config;
+  bad.norm = "batchnorm";
+  EXPECT_EQ(message_of(bad), "GPTConfig.norm must be 'layernorm' or 'rmsnorm'; got 'batchnorm'");
+  bad = config;
+  bad.positions = "learned";
+  EXPECT_EQ(message_of(bad), "GPTConfig.rope_scaling needs positions='rope'");
+  json windowed = json::parse(config.to_json());
+  windowed["sliding_window"] = 4;
+  EXPECT_THROW(GPTConfig::from_json(windowed.dump()), FormatError);
+  json other = json::parse(config.to_json());
+  other["rope_scaling"]["rope_type"] = "yarn";
+  EXPECT_THROW(GPTConfig::from_json(other.dump()), FormatError);
+
+  GPT model(config);
+  std::vector<std::string> names;
+  for (const auto& item : model->named_parameters()) names.push_back(item.key());
+  const std::vector<std::string> block0{"blocks.0.ln1.weight",       "blocks.0.attn.qkv.weight", "blocks.0.attn.qkv.bias",
+                                        "blocks.0.attn.proj.weight", "blocks.0.ln2.weight",      "blocks.0.mlp.gate_up.weight",
+                                        "blocks.0.mlp.down.weight"};
+  EXPECT_EQ(names.front(), "tok.weight");  // no pos: rotary positions
+  EXPECT_EQ(std::vector<std::string>(names.begin() + 1, names.begin() + 8), block0);
+  EXPECT_EQ(model->named_parameters()["blocks.0.attn.qkv.weight"].sizes(), torch::IntArrayRef({(4 + 2 * 2) * 4, 16}));
+}
+
 TEST(GPT, ParameterNamesAreThePythonOnes) {
   GPT untied(small_config(true, false));
   const auto names = untied->named_parameters().keys();

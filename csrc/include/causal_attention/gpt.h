@@ -9,9 +9,10 @@
 //   options.eos_id = 11;
 //   auto answers = model->generate({{12, 1, 2, 3, 10}, {12, 4, 10}}, options).tokens;
 //
-// Parameters: tok, pos (embeddings), blocks.{i}.ln1, .attn.qkv, .attn.proj, .ln2, .mlp.0, .mlp.2
-// (the MLP's Linears), ln_f and, with an untied head, head; with bias = false the Linears and
-// LayerNorms have weights only.
+// Parameters: tok, pos (embeddings; none with rotary positions), blocks.{i}.ln1, .attn.qkv, .attn.proj,
+// .ln2, .mlp.0, .mlp.2 (the MLP's Linears; a gated MLP's .mlp.gate_up and .mlp.down), ln_f and, with an
+// untied head, head; with bias = false the Linears and LayerNorms have weights only (per-projection
+// biases: qkv_bias, proj_bias, mlp_bias). The Llama family's options but the sliding window are built.
 #pragma once
 
 #include "causal_attention/module.h"
@@ -44,8 +45,26 @@ struct GPTConfig {
   double attn_dropout = 0.0;
   double resid_dropout = 0.0;
   double embd_dropout = 0.0;
+  // The Llama family's options (gpt.py's; their defaults are GPT-2's architecture, and config.json
+  // holds them only where they differ).
+  std::optional<int64_t> n_kv_heads;  // grouped-query attention's key/value heads; none: n_heads
+  std::string norm = "layernorm";     // or "rmsnorm" (Llama's: the mean square in float32)
+  bool gated_mlp = false;             // down(act(gate(x)) * up(x)), gate | up in one Linear mlp.gate_up
+  std::string positions = "learned";  // or "rope" (rotary, rotate-half layout, no pos embedding)
+  double rope_theta = 10000.0;
+  struct RopeScaling {  // Llama 3's frequency scaling (rope_type "llama3")
+    double factor, low_freq_factor, high_freq_factor, original_max_position_embeddings;
+  };
+  std::optional<RopeScaling> rope_scaling;
+  std::optional<bool> qkv_bias, proj_bias, mlp_bias;  // none: as bias
+  std::optional<int64_t> sliding_window;              // not built by the C++ GPT yet (load refuses it)
 
   int64_t hidden() const { return mlp_hidden.value_or(4 * dim); }
+  int64_t head_dim() const { return dim / n_heads; }
+  int64_t kv_heads() const { return n_kv_heads.value_or(n_heads); }
+  bool qkv_has_bias() const { return qkv_bias.value_or(bias); }
+  bool proj_has_bias() const { return proj_bias.value_or(bias); }
+  bool mlp_has_bias() const { return mlp_bias.value_or(bias); }
   // Every field checked as GPTConfig.__post_init__ does; a std::invalid_argument naming the field.
   void validate() const;
   // From config.json's text, by gpt.py's GPTConfig.from_dict rules: an unknown key, a missing one,
@@ -57,18 +76,50 @@ struct GPTConfig {
   std::string to_json() const;
 };
 
-// LayerNorm with an optional bias (torch::nn::LayerNorm has none to turn off): weight, [bias].
+// LayerNorm with an optional bias (torch::nn::LayerNorm has none to turn off): weight, [bias]. With
+// rms, Llama's RMSNorm instead (weight only): x / sqrt(mean(x^2) + eps) in float32, rounded back to
+// x's dtype, times the weight (gpt.py's RMSNorm).
 class LayerNormImpl : public torch::nn::Module {
  public:
-  LayerNormImpl(int64_t dim, double eps, bool bias);
+  LayerNormImpl(int64_t dim, double eps, bool bias, bool rms = false);
   at::Tensor forward(const at::Tensor& x);
   at::Tensor weight, bias;  // bias undefined without bias
 
  private:
   int64_t dim_;
   double eps_;
+  bool rms_;
 };
 TORCH_MODULE(LayerNorm);
+
+// The gated MLP (gpt.py's GatedMLP): down(act(gate(x)) * up(x)), gate | up in one Linear gate_up,
+// then dropout (SwiGLU with activation "silu"). x (..., dim) -> (..., dim); step: a decode step's few
+// rows (each weight streamed once by few_rows_linear), else the products by project.
+class GatedMLPImpl : public torch::nn::Module {
+ public:
+  explicit GatedMLPImpl(const GPTConfig& config);
+  at::Tensor forward(const at::Tensor& x, bool step = false);
+  torch::nn::Linear gate_up{nullptr}, down{nullptr};
+  torch::nn::Dropout drop{nullptr};
+
+ private:
+  int64_t hidden_;
+  bool silu_;
+  std::string approximate_;
+};
+TORCH_MODULE(GatedMLP);
+
+// Rotary positions (gpt.py's Rotary): cos and sin (..., hd) at each token's position in the model's dtype.
+struct Rotary {
+  at::Tensor cos, sin;
+  // positions (...) int64, inv_freq (hd / 2,) float32 -> cos and sin (..., hd) in dtype (computed in float32).
+  static Rotary at(const at::Tensor& positions, const at::Tensor& inv_freq, at::ScalarType dtype);
+  // qkv (..., (H + 2 Hkv) * hd) -> the same with q and k rotated (rotate-half layout).
+  at::Tensor apply(const at::Tensor& qkv, int64_t n_heads, int64_t kv_heads) const;
+};
+
+// The rotary frequencies (hd / 2,) float32, with Llama 3's scaling where config asks for it.
+at::Tensor inverse_frequencies(const GPTConfig& config);
 
 // Pre-LayerNorm block: x + drop(attn(ln1(x))), then x + mlp(ln2(x)) (mlp: Linear, GELU, Linear, Dropout).
 class BlockImpl : public torch::nn::Module {
@@ -76,6 +127,9 @@ class BlockImpl : public torch::nn::Module {
   explicit BlockImpl(const GPTConfig& config);
   at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& mask);
   at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& mask, KVCache& cache);
+  // A rotary model's block: rotary holds cos and sin (B, T, hd) at x's positions; cache may be null.
+  at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& mask, KVCache* cache,
+                     const Rotary& rotary);
   // The MLP of forward without a cache, its products by causal_attention::project: (..., dim) -> (..., dim).
   at::Tensor mlp_forward(const at::Tensor& x);
   at::Tensor activate(const at::Tensor& x);  // the MLP's activation (mlp[1])
@@ -83,7 +137,12 @@ class BlockImpl : public torch::nn::Module {
   LayerNorm ln1{nullptr}, ln2{nullptr};
   CausalSelfAttention attn{nullptr};
   torch::nn::Dropout attn_drop{nullptr};
-  torch::nn::Sequential mlp{nullptr};
+  torch::nn::Sequential mlp{nullptr};  // null with a gated MLP
+  GatedMLP gated{nullptr};             // registered as "mlp" with gated_mlp
+
+ private:
+  at::Tensor mlp_of(const at::Tensor& x, bool step);  // whichever MLP the block has
+  std::optional<int64_t> n_kv_heads_;
 };
 TORCH_MODULE(Block);
 
@@ -140,8 +199,13 @@ class GPTImpl : public torch::nn::Module {
 
  private:
   at::Tensor embed(const at::Tensor& tokens, const at::Tensor& offset);  // offset (B,) -> (B, T, dim)
+  at::Tensor positions(const at::Tensor& tokens, const at::Tensor& offset) const;  // (B, T), checked
+  // x through the blocks (caches: one per layer, or empty) at positions (B, T).
+  at::Tensor run_blocks(at::Tensor x, const std::optional<at::Tensor>& mask, const at::Tensor& positions,
+                        std::vector<KVCache>* caches);
 
   GPTConfig config_;
+  at::Tensor inv_freq_;  // rotary frequencies, float32 (not a buffer: .to() would round it); undefined without
 };
 TORCH_MODULE(GPT);
 
