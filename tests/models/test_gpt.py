@@ -390,6 +390,27 @@ def test_float32_logits_are_the_heads_sums_before_rounding(dtype: torch.dtype):
     assert g.dtype == dtype and bool(g.isfinite().all()) and bool((g != 0).any())
 
 
+def test_float32_logits_of_a_decode_step_and_under_autocast():
+    """A cached decode step's float32 logits (the streamed head, unrounded), and the same under CPU
+    autocast, which must not round the product back to bfloat16."""
+    model = random_gpt(small_config(), torch.bfloat16)
+    tokens, _ = right_padded([9, 9])
+    with torch.no_grad():
+        caches = model.make_caches(2, 16)
+        model.hidden_states(tokens, caches=caches)
+        step = torch.tensor([[3], [7]])
+        h, _ = model.hidden_states(step, caches=caches)  # (2, 1, dim): a decode step
+    with torch.no_grad():
+        logits = model.logits(h[:, 0], float32=True)
+        exact = h[:, 0].double() @ model.head_weight.double().t()
+        bound = 49 * torch.finfo(torch.float32).eps * (h[:, 0].double().abs() @ model.head_weight.double().abs().t())
+        assert logits.dtype == torch.float32 and bool(((logits.double() - exact).abs() <= bound).all())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert model.logits(h[:, 0], float32=True).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(tokens, float32_logits=True).dtype == torch.float32
+
+
 def test_float32_logits_leave_float_models_alone():
     model = random_gpt(small_config(), torch.float32)
     tokens, mask = right_padded(LENGTHS)

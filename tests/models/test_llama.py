@@ -228,3 +228,38 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path: Path) -> None:
 def test_config_errors_name_the_option(overrides: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=re.escape(field)):
         GPTConfig(vocab_size=10, max_len=8, dim=32, n_heads=4, **overrides)
+
+
+def test_gpt2_only_paths_refuse_the_llama_family_by_name() -> None:
+    """nanoGPT and GPT-2 export and tensor parallelism cover GPT-2's architecture: a model with any of
+    the Llama family's options (or SiLU) is refused naming them, never written as something else."""
+    from causal_attention.integrations.parallel import parallelize_gpt
+    from causal_attention.models import nanogpt_model_args, to_nanogpt_state_dict
+    from causal_attention.models.convert import config_to_huggingface
+
+    rms = GPT(GPTConfig(vocab_size=10, max_len=8, dim=32, n_heads=4, norm="rmsnorm", bias=False))
+    for export in (to_nanogpt_state_dict, nanogpt_model_args):
+        with pytest.raises(CheckpointError, match=re.escape("Llama family's options; this model sets ['norm']")):
+            export(rms)
+    with pytest.raises(ValueError, match=re.escape("sets the Llama family's ['norm']")):
+        parallelize_gpt(rms, None)  # type: ignore[arg-type]
+    silu = GPTConfig(vocab_size=10, max_len=8, dim=32, n_heads=4, activation="silu")
+    with pytest.raises(CheckpointError, match="GPT-2 has no activation 'silu'"):
+        config_to_huggingface(silu)
+    with pytest.raises(CheckpointError, match="nanoGPT uses the exact GELU; this model's activation is 'silu'"):
+        to_nanogpt_state_dict(GPT(silu))
+
+
+def test_windowed_attention_for_onnx_is_the_references(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ONNX export the window takes the reference's operations (no translation of the engine's
+    op): the same values."""
+    from causal_attention.attention import backends
+    from causal_attention.models import layers
+
+    gen = torch.Generator().manual_seed(9)
+    qkv = torch.randn(2, 13, (4 + 2 * 2) * 8, generator=gen, dtype=F64)
+    mask = torch.arange(13)[None, :] < torch.tensor([13, 6])[:, None]
+    engine, _ = layers.windowed_attention(qkv, mask, 4, 2, 5)
+    monkeypatch.setattr(backends, "onnx_exporting", lambda: True)
+    exported, _ = layers.windowed_attention(qkv, mask, 4, 2, 5)
+    assert (engine - exported)[mask].abs().max() <= 1e-12

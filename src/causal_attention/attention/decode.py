@@ -146,7 +146,8 @@ def unrounded_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
     ):
         return torch.ops.causal_attention.unrounded_linear(x, weight, bias)
     wide = torch.float32 if x.dtype in _HALF else x.dtype
-    return torch.nn.functional.linear(x.to(wide), weight.to(wide), None if bias is None else bias.to(wide))
+    with torch.autocast(x.device.type, enabled=False):  # (autocast would round the product back to half)
+        return torch.nn.functional.linear(x.to(wide), weight.to(wide), None if bias is None else bias.to(wide))
 
 
 def _tracing() -> bool:

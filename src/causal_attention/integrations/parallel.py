@@ -230,6 +230,9 @@ def parallelize_gpt(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
 
     if not isinstance(model, GPT):
         raise TypeError(f"model must be a GPT; got {type(model).__name__}")
+    if model.config.llama_options:  # (rotary blocks keep their head counts; the gated MLP has other names)
+        raise ValueError(f"parallelize_gpt shards GPT-2-architecture models; this one sets the Llama family's "
+                         f"{model.config.llama_options}, which it does not shard yet")
     mesh = _check_mesh(tp_mesh)
     if model.config.hidden % mesh.size(0) != 0:
         raise ValueError(f"parallelize_gpt: the MLP width (got {model.config.hidden}) must be divisible by the "

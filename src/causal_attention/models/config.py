@@ -121,6 +121,13 @@ class GPTConfig:
         """The key/value heads: n_kv_heads, or n_heads."""
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
+    @property
+    def llama_options(self) -> list[str]:
+        """The Llama family's options this config sets away from their defaults (GPT-2's
+        architecture), by name: what GPT-2-only paths (nanoGPT, GPT-2 export, tensor parallelism)
+        refuse."""
+        return [key for key, default in LLAMA_DEFAULTS.items() if getattr(self, key) != default]
+
     def bias_of(self, part: Literal["qkv", "proj", "mlp"]) -> bool:
         """Whether the attention's qkv, its output projection or the MLP's Linears have biases."""
         value = getattr(self, f"{part}_bias")

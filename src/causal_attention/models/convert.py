@@ -94,9 +94,10 @@ def config_to_huggingface(config: GPTConfig) -> dict[str, Any]:
     if convert_llama.is_llama_family(config):
         model_type, values = convert_llama.config_to_huggingface_llama(config)
         return {"model_type": model_type, **values}
-    if config != GPTConfig(**{**config.to_dict(), **convert_llama.LLAMA_DEFAULTS}):
-        raise CheckpointError("GPT-2 has none of the Llama family's options (n_kv_heads, rmsnorm, gated_mlp, rope, "
-                              "per-projection biases, sliding_window)")
+    if config.llama_options:
+        raise CheckpointError(f"GPT-2 has none of the Llama family's options; this model sets {config.llama_options}")
+    if config.activation not in ("gelu", "gelu_tanh"):
+        raise CheckpointError(f"GPT-2 has no activation {config.activation!r} (gelu_new or gelu)")
     if not config.bias:
         raise CheckpointError("GPTConfig.bias=False has no GPT-2 counterpart (GPT-2 has biases everywhere)")
     return dict(
@@ -367,8 +368,10 @@ def from_nanogpt(source: Any, *, n_heads: int | None = None) -> GPT:
 def to_nanogpt_state_dict(model: GPT) -> dict[str, Tensor]:
     """nanoGPT's GPT.state_dict() (without the attn.bias buffers, which its flash path lacks too)."""
     config = model.config
+    if config.llama_options:
+        raise CheckpointError(f"nanoGPT has none of the Llama family's options; this model sets {config.llama_options}")
     if config.activation != "gelu":
-        raise CheckpointError("nanoGPT uses the exact GELU; this model's activation is 'gelu_tanh'")
+        raise CheckpointError(f"nanoGPT uses the exact GELU; this model's activation is {config.activation!r}")
     if config.mlp_hidden not in (None, 4 * config.dim) or abs(config.layer_norm_eps - 1e-5) > 0:
         raise CheckpointError("nanoGPT's MLP is 4 * dim wide with LayerNorm eps 1e-5; this model differs")
     if not config.tie_head:
@@ -382,6 +385,8 @@ def to_nanogpt_state_dict(model: GPT) -> dict[str, Tensor]:
 def nanogpt_model_args(model: GPT) -> dict[str, Any]:
     """The 'model_args' nanoGPT's train.py stores (dropout: attention's; nanoGPT has one rate)."""
     c = model.config
+    if c.llama_options:
+        raise CheckpointError(f"nanoGPT has none of the Llama family's options; this model sets {c.llama_options}")
     if not c.attn_dropout == c.resid_dropout == c.embd_dropout:
         raise CheckpointError(
             f"nanoGPT has one dropout rate; this model has attn_dropout={c.attn_dropout}, "

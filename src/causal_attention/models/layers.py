@@ -147,7 +147,8 @@ def windowed_attention(qkv: Tensor, mask: Tensor | None, n_heads: int, kv_heads:
     weights, the reference."""
     q, k, v = heads_of(qkv, n_heads, kv_heads)
     B, T = qkv.shape[:2]
-    if not return_weights and qkv.device.type == "cpu" and _ops.core_loaded():
+    # (ONNX has no translation of the engine's op: the exported graph takes the reference's operations.)
+    if not return_weights and qkv.device.type == "cpu" and _ops.core_loaded() and not backends.onnx_exporting():
         out = _ops.attention_heads(q, k, v, mask, window=window, dropout_p=dropout_p)  # (B, T, H, hd)
         return out.reshape(B, T, -1), None
     if dropout_p > 0:
@@ -164,6 +165,9 @@ def windowed_cached_attention(qkv: Tensor, mask: Tensor | None, cache: KVCache, 
     empty caches attends its own tokens within the window; a step of one token per sequence attends
     its last `window` cached keys (its own included). Other steps (several new tokens after a non-empty
     cache) are refused: each query would need a window of its own over a ragged cache."""
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        raise NotImplementedError("a sliding-window model's cached step chooses its path from the cache lengths: "
+                                  "it runs eagerly (torch.compile / torch.export of it are not supported yet)")
     start = cache.lengths  # (B,)
     t = qkv.shape[1]
     end = backends.cache_end(start, mask, t, cache.max_len)  # (B,), checked
