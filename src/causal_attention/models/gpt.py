@@ -1,8 +1,10 @@
-"""GPT: a GPT-2-style decoder built from CausalSelfAttention, for training on right-padded
-batches and batched generation over ragged prompts with a static KV cache.
+"""GPT: a decoder built from CausalSelfAttention, for training on right-padded batches and
+batched generation over ragged prompts with a static KV cache.
 
-One class covers the demo's small model (``GPTConfig()`` defaults) and GPT-2 itself
-(``GPTConfig.gpt2()``, or ``from_huggingface`` / ``from_nanogpt`` of models/convert.py).
+One class covers the demo's small model (``GPTConfig()`` defaults), GPT-2 itself
+(``GPTConfig.gpt2()``, or ``from_huggingface`` / ``from_nanogpt`` of models/convert.py) and the
+Llama family (RMSNorm, SwiGLU, rotary positions, grouped-query attention, a sliding window: the
+options of GPTConfig; ``from_huggingface`` of a Llama, Qwen2 or Mistral model).
 
 Shapes: B = batch, T = tokens, V = vocabulary, dim = model width, N = real tokens of a batch.
 """
@@ -188,8 +190,9 @@ class _Packing:
 
 
 class GPT(nn.Module):
-    """Token and position embeddings, n_layers Blocks, a final LayerNorm and a head (tied to the
-    token embedding unless ``config.tie_head`` is False).
+    """Token and position embeddings (token only with rotary positions), n_layers Blocks, a final
+    norm (LayerNorm or RMSNorm) and a head (tied to the token embedding unless ``config.tie_head``
+    is False).
 
     Parameters: ``tok``, ``pos`` (embeddings; no ``pos`` with rotary positions), ``blocks.{i}.ln1``,
     ``.attn.qkv``, ``.attn.proj``, ``.ln2``, ``.mlp.0`` and ``.mlp.2`` (the MLP's Linears; a gated
