@@ -174,13 +174,23 @@ def _cast(model: GPT, dtype: torch.dtype) -> GPT:
         ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "rope type 'yarn'"),
         ("llama", dict(head_dim=16), "head_dim=16 is not supported"),
         ("llama", dict(hidden_act="gelu"), "hidden_act='gelu'"),
-        ("qwen2", dict(use_sliding_window=True, sliding_window=8), "use_sliding_window=True"),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), "use_sliding_window=True"),
     ],
 )
 def test_unsupported_options_are_named(kind: str, overrides: dict[str, Any], message: str) -> None:
     hf = hf_model(kind, **overrides)
     with pytest.raises(CheckpointError, match=re.escape(message)):
         from_huggingface(hf)
+
+
+def test_qwen2_windows_that_reach_no_layer_are_read() -> None:
+    """use_sliding_window with max_window_layers >= the layers: every layer is full attention."""
+    hf = hf_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    ours = from_huggingface(hf).eval()
+    assert ours.config.sliding_window is None
+    tokens = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        assert (ours(tokens) - hf(tokens).logits).abs().max() <= 1e-10
 
 
 def test_partial_rotary_is_refused() -> None:

@@ -74,9 +74,11 @@ def config_from_huggingface_llama(hf: Mapping[str, Any]) -> GPTConfig:
     window = None
     if model_type == "mistral":
         window = hf.get("sliding_window")
-    elif model_type == "qwen2" and hf.get("use_sliding_window"):
-        raise CheckpointError("use_sliding_window=True is not supported for Qwen2 (per-layer windows, "
-                              "max_window_layers)")
+    elif (model_type == "qwen2" and hf.get("use_sliding_window")
+          and int(hf.get("max_window_layers", 0)) < int(hf["num_hidden_layers"])):
+        # Qwen2 windows the layers from max_window_layers on; with none of them, every layer is full.
+        raise CheckpointError("use_sliding_window=True is not supported for Qwen2 (per-layer windows from "
+                              f"max_window_layers={hf.get('max_window_layers')})")
     layer_types = hf.get("layer_types")
     if layer_types:
         kinds = set(layer_types)
