@@ -143,7 +143,7 @@ def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, dropout_p: flo
     return out.masked_fill(~has_key[:, None, :, None], 0)
 
 
-def _split_heads(qkv: Tensor, n_heads: int, n_kv_heads: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def split_heads(qkv: Tensor, n_heads: int, n_kv_heads: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """qkv (B, T, (H + 2 Hkv) * hd) -> q (B, H, T, hd), k and v (B, Hkv, T, hd); Hkv = H when None."""
     Hkv = n_heads if n_kv_heads is None else n_kv_heads
     hd = qkv.shape[2] // (n_heads + 2 * Hkv)
@@ -155,7 +155,7 @@ def _split_heads(qkv: Tensor, n_heads: int, n_kv_heads: int | None = None) -> tu
 def _sdpa(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int, dropout_p: float = 0.0, *,
           n_kv_heads: int | None = None) -> Tensor:
     B, T, _ = qkv.shape
-    q, k, v = _split_heads(qkv, n_heads, n_kv_heads)  # (B, H, T, hd), (B, Hkv, T, hd) twice
+    q, k, v = split_heads(qkv, n_heads, n_kv_heads)  # (B, H, T, hd), (B, Hkv, T, hd) twice
     if key_padding_mask is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
                                              enable_gqa=k.shape[1] != n_heads)  # (B, H, T, hd)
@@ -163,6 +163,23 @@ def _sdpa(qkv: Tensor, key_padding_mask: Tensor | None, n_heads: int, dropout_p:
         causal = torch.ones(T, T, dtype=torch.bool, device=qkv.device).tril()  # (T, T)
         out = masked_sdpa(q, k, v, causal & key_padding_mask[:, None, :], dropout_p)  # (B, H, T, hd)
     return out.transpose(1, 2).reshape(B, T, n_heads * q.shape[3])  # (B, T, dim)
+
+
+def write_cache_torch(qkv: Tensor, cache: KVCache, start: Tensor, end: Tensor, n_heads: int,
+                      n_kv_heads: int | None = None) -> Tensor:
+    """kv_cache_write in plain torch (any device): the real new keys and values of qkv (B, t,
+    (H + 2 Hkv) * hd) at cache positions start[b]..end[b]-1 (checked by cache_end), with static shapes
+    (nothing indexes past max_len). Returns the queries q (B, H, t, hd)."""
+    B, t, _ = qkv.shape
+    q, k_new, v_new = split_heads(qkv, n_heads, n_kv_heads)  # (B, H, t, hd), (B, Hkv, t, hd) twice
+    keys = torch.arange(cache.max_len, device=qkv.device)  # (L,)
+    written = (keys[None, :] >= start[:, None]) & (keys[None, :] < end[:, None])  # (B, L)
+    source = (keys[None, :] - start[:, None]).clamp(0, max(t - 1, 0))  # (B, L): new token at each position
+    if t > 0:
+        index = source[:, None, :, None].expand(B, k_new.shape[1], cache.max_len, k_new.shape[3])  # (B, Hkv, L, hd)
+        cache.k.copy_(torch.where(written[:, None, :, None], k_new.gather(2, index), cache.k))
+        cache.v.copy_(torch.where(written[:, None, :, None], v_new.gather(2, index), cache.v))
+    return q
 
 
 def cached_attention_torch(qkv: Tensor, cache: KVCache, start: Tensor, end: Tensor, n_heads: int,
@@ -176,14 +193,8 @@ def cached_attention_torch(qkv: Tensor, cache: KVCache, start: Tensor, end: Tens
     past max_len, so a compiled step never reads or writes out of bounds. Returns (B, t, dim).
     """
     B, t, _ = qkv.shape
-    q, k_new, v_new = _split_heads(qkv, n_heads, n_kv_heads)  # (B, H, t, hd), (B, Hkv, t, hd) twice
+    q = write_cache_torch(qkv, cache, start, end, n_heads, n_kv_heads)  # (B, H, t, hd)
     keys = torch.arange(cache.max_len, device=qkv.device)  # (L,)
-    written = (keys[None, :] >= start[:, None]) & (keys[None, :] < end[:, None])  # (B, L)
-    source = (keys[None, :] - start[:, None]).clamp(0, max(t - 1, 0))  # (B, L): new token at each position
-    if t > 0:
-        index = source[:, None, :, None].expand(B, k_new.shape[1], cache.max_len, k_new.shape[3])  # (B, Hkv, L, hd)
-        cache.k.copy_(torch.where(written[:, None, :, None], k_new.gather(2, index), cache.k))
-        cache.v.copy_(torch.where(written[:, None, :, None], v_new.gather(2, index), cache.v))
     positions = start[:, None] + torch.arange(t, device=qkv.device)  # (B, t)
     allowed = (keys[None, None, :] <= positions[:, :, None]) & (keys[None, None, :] < end[:, None, None])  # (B, t, L)
     out = masked_sdpa(q, cache.k, cache.v, allowed)  # (B, H, t, hd)

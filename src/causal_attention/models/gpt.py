@@ -55,7 +55,7 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         dim = config.dim
-        self.n_heads, self.kv_heads, self.window = config.n_heads, config.kv_heads, config.sliding_window
+        self.window = config.sliding_window
         self.ln1 = norm_layer(config)
         self.attn = CausalSelfAttention(dim, config.n_heads, n_kv_heads=config.n_kv_heads, bias=config.bias_of("qkv"),
                                         dropout=config.attn_dropout)
@@ -106,7 +106,7 @@ class Block(nn.Module):
         linear = few_rows_linear if cache is not None else project
         qkv = linear(self.attn.qkv, h)  # (B, T, (H + 2 Hkv) * hd)
         if rotary is not None:
-            qkv = rotary.apply(qkv, self.n_heads, self.kv_heads)
+            qkv = rotary.apply(qkv, self.attn.n_heads, self.attn.kv_heads)
         y, weights = self._attend(qkv, mask, cache, return_weights)
         return linear(self.attn.proj, y), weights
 
@@ -116,13 +116,13 @@ class Block(nn.Module):
         dropout_p = self.attn.dropout if self.training else 0.0
         if self.window is not None:
             if cache is not None:
-                return windowed_cached_attention(qkv, mask, cache, self.n_heads, self.kv_heads, self.window), None
-            return windowed_attention(qkv, mask, self.n_heads, self.kv_heads, self.window, dropout_p=dropout_p,
+                return windowed_cached_attention(qkv, mask, cache, self.attn.n_heads, self.attn.kv_heads, self.window), None
+            return windowed_attention(qkv, mask, self.attn.n_heads, self.attn.kv_heads, self.window, dropout_p=dropout_p,
                                       return_weights=return_weights)
         if return_weights:
             if dropout_p > 0:
                 raise ValueError("return_weights of a rotary model needs eval mode (no attention dropout)")
-            q, k, v = heads_of(qkv, self.n_heads, self.kv_heads)
+            q, k, v = heads_of(qkv, self.attn.n_heads, self.attn.kv_heads)
             y, weights = reference.attention(q, k, v, key_mask=mask, return_weights=True)
             return y.transpose(1, 2).flatten(2), weights
         return self.attn.attend(qkv, mask, cache=cache), None
@@ -147,7 +147,7 @@ class Block(nn.Module):
         sin (N, hd) at the real tokens' positions."""
         qkv = project(self.attn.qkv, self.ln1(x))  # (N, (H + 2 Hkv) * hd)
         if rotary is not None:
-            qkv = rotary.apply(qkv, self.n_heads, self.kv_heads)
+            qkv = rotary.apply(qkv, self.attn.n_heads, self.attn.kv_heads)
         full = packing.unpack(qkv)  # (B, T, (H + 2 Hkv) * hd)
         if self.window is None:
             y = self.attn.attend(full, packing.mask, cache=cache)  # (B, T, dim)

@@ -133,10 +133,7 @@ class Rotary:
 
 def heads_of(qkv: Tensor, n_heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
     """qkv (B, T, (H + 2 Hkv) * hd) -> q (B, H, T, hd), k and v (B, Hkv, T, hd) (views)."""
-    hd = qkv.shape[-1] // (n_heads + 2 * kv_heads)
-    q, k, v = qkv.split((n_heads * hd, kv_heads * hd, kv_heads * hd), dim=-1)
-    return (q.unflatten(-1, (n_heads, hd)).transpose(1, 2), k.unflatten(-1, (kv_heads, hd)).transpose(1, 2),
-            v.unflatten(-1, (kv_heads, hd)).transpose(1, 2))
+    return backends.split_heads(qkv, n_heads, kv_heads)
 
 
 def windowed_attention(qkv: Tensor, mask: Tensor | None, n_heads: int, kv_heads: int, window: int, *,
@@ -178,7 +175,7 @@ def windowed_cached_attention(qkv: Tensor, mask: Tensor | None, cache: KVCache, 
     if qkv.device.type == "cpu" and _ops.core_loaded():
         torch.ops.causal_attention.kv_cache_write(qkv, cache.k, cache.v, start, end, *heads)
     else:
-        _write_cache(qkv, cache, start, end, n_heads, kv_heads)
+        backends.write_cache_torch(qkv, cache, start, end, n_heads, kv_heads)
     if empty:
         y, _ = windowed_attention(qkv, mask, n_heads, kv_heads, window)
     else:
@@ -195,11 +192,3 @@ def windowed_cached_attention(qkv: Tensor, mask: Tensor | None, cache: KVCache, 
     cache.lengths.copy_(end)
     return y
 
-
-def _write_cache(qkv: Tensor, cache: KVCache, start: Tensor, end: Tensor, n_heads: int, kv_heads: int) -> None:
-    """kv_cache_write in plain torch: the real new keys and values at each sequence's place."""
-    _, k, v = heads_of(qkv, n_heads, kv_heads)  # (B, Hkv, t, hd)
-    for b in range(qkv.shape[0]):
-        s, e = int(start[b]), int(end[b])
-        cache.k[b, :, s:e] = k[b, :, : e - s]
-        cache.v[b, :, s:e] = v[b, :, : e - s]
