@@ -155,18 +155,32 @@ SafetensorsFile::SafetensorsFile(std::filesystem::path path) : path_(std::move(p
   }
 }
 
-at::Tensor SafetensorsFile::read(const std::string& name) const {
+const SafetensorsEntry& SafetensorsFile::entry(const std::string& name) const {
   const auto found = entries_.find(name);
   if (found == entries_.end()) fail(path_, "no tensor '", name, "'");
-  const auto& entry = found->second;
-  auto tensor = at::empty(entry.shape, at::TensorOptions().dtype(entry.dtype));
-  const uint64_t bytes = entry.end - entry.begin;
-  if (bytes == 0) return tensor;
-  std::ifstream in(path_, std::ios::binary);
-  in.seekg(static_cast<std::streamoff>(data_start_ + entry.begin));
-  in.read(static_cast<char*>(tensor.data_ptr()), static_cast<std::streamsize>(bytes));
-  if (!in || static_cast<uint64_t>(in.gcount()) != bytes) fail(path_, "tensor '", name, "': could not read its bytes");
+  return found->second;
+}
+
+at::Tensor SafetensorsFile::read(const std::string& name) const {
+  const auto& stored = entry(name);
+  auto tensor = at::empty(stored.shape, at::TensorOptions().dtype(stored.dtype));
+  read_into(name, tensor);
   return tensor;
+}
+
+void SafetensorsFile::read_into(const std::string& name, const at::Tensor& out) const {
+  const auto& stored = entry(name);
+  TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == stored.dtype &&
+                        out.sizes() == at::IntArrayRef(stored.shape),
+                    "SafetensorsFile::read_into: out must be a contiguous CPU tensor of tensor '", name, "''s dtype ",
+                    stored.dtype, " and shape ", at::IntArrayRef(stored.shape), "; got ", out.scalar_type(), " of shape ",
+                    out.sizes());
+  const uint64_t bytes = stored.end - stored.begin;
+  if (bytes == 0) return;
+  std::ifstream in(path_, std::ios::binary);
+  in.seekg(static_cast<std::streamoff>(data_start_ + stored.begin));
+  in.read(static_cast<char*>(out.data_ptr()), static_cast<std::streamsize>(bytes));
+  if (!in || static_cast<uint64_t>(in.gcount()) != bytes) fail(path_, "tensor '", name, "': could not read its bytes");
 }
 
 void save_safetensors(const std::filesystem::path& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,

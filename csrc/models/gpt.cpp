@@ -2,6 +2,7 @@
 
 #include "causal_attention/attention.h"
 #include "causal_attention/safetensors.h"
+#include "checkpoint.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -14,6 +15,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
+#include <limits>
 #include <fstream>
 #include <iostream>
 #include <set>
@@ -23,24 +26,12 @@
 
 namespace causal_attention {
 
+using detail::concat;
+using detail::listing;
+
 namespace {
 
 constexpr const char* kFormat = "causal_attention.gpt";
-
-template <typename... Args>
-std::string concat(const Args&... parts) {
-  std::ostringstream out;
-  (out << ... << parts);
-  return out.str();
-}
-
-std::string shape_string(at::IntArrayRef shape) {
-  std::ostringstream out;
-  out << "(";
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << (shape.size() == 1 ? ",)" : ")");
-  return out.str();
-}
 
 }  // namespace
 
@@ -160,13 +151,6 @@ const std::vector<std::pair<std::string, nlohmann::json>>& legacy_defaults() {
       {"layer_norm_eps", 1e-5}, {"activation", "gelu"},  {"bias", true},         {"tie_head", true},
       {"attn_dropout", 0.0},    {"resid_dropout", 0.0}, {"embd_dropout", 0.0}};
   return defaults;
-}
-
-// ['a', 'b'] (at most 8 names, then ', ...'), as gpt.py's _listing.
-std::string listing(const std::vector<std::string>& names) {
-  std::string out = "[";
-  for (size_t i = 0; i < names.size() && i < 8; ++i) out += (i ? ", '" : "'") + names[i] + "'";
-  return out + (names.size() > 8 ? ", ...]" : "]");
 }
 
 bool is_int64(const nlohmann::json& value) {
@@ -335,10 +319,6 @@ GPTConfig GPTConfig::from_json(const std::string& text, const std::string& sourc
   } catch (const std::invalid_argument& error) {
     throw FormatError(concat(source, ": ", error.what()));
   }
-  if (config.sliding_window.has_value()) {
-    throw FormatError(concat(source, ": sliding_window (Mistral's) is not implemented by the C++ GPT yet; Python's "
-                                     "GPT.load reads this model"));
-  }
   return config;
 }
 
@@ -457,7 +437,7 @@ at::Tensor inverse_frequencies(const GPTConfig& config) {
   return at::where(medium, smoothed, scaled).to(at::kFloat);
 }
 
-BlockImpl::BlockImpl(const GPTConfig& config) : n_kv_heads_(config.n_kv_heads) {
+BlockImpl::BlockImpl(const GPTConfig& config) : n_kv_heads_(config.n_kv_heads), window_(config.sliding_window) {
   config.validate();
   const bool rms = config.norm == "rmsnorm";
   ln1 = register_module("ln1", LayerNorm(config.dim, config.layer_norm_eps, config.bias, rms));
@@ -498,26 +478,100 @@ at::Tensor BlockImpl::mlp_of(const at::Tensor& x, bool step) {
   return mlp[3]->as<torch::nn::DropoutImpl>()->forward(few_rows_linear(inner, out->weight, out->bias));
 }
 
+namespace {
+
+// q (B, H, T, hd), k and v (B, Hkv, T, hd): the heads of qkv (B, T, (H + 2 Hkv) * hd), views.
+std::array<at::Tensor, 3> split_heads(const at::Tensor& qkv, int64_t H, int64_t Hkv) {
+  const int64_t B = qkv.size(0), T = qkv.size(1), hd = qkv.size(2) / (H + 2 * Hkv);
+  const auto parts = qkv.split_with_sizes({H * hd, Hkv * hd, Hkv * hd}, -1);
+  return {parts[0].view({B, T, H, hd}).transpose(1, 2), parts[1].view({B, T, Hkv, hd}).transpose(1, 2),
+          parts[2].view({B, T, Hkv, hd}).transpose(1, 2)};
+}
+
+// The specification with autograd (training a windowed model): the scores of each query's allowed
+// keys (causal, within the window, not padding) softmaxed; a query with none gives 0 (its scores
+// zeroed rather than -inf, so that no NaN reaches the gradients). -> (B, T, H, hd).
+at::Tensor windowed_attention_math(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const std::optional<at::Tensor>& mask, int64_t window, double dropout_p,
+                                   bool training) {
+  const int64_t H = q.size(1), Hkv = k.size(1), T = q.size(2);
+  const auto keys = k.repeat_interleave(H / Hkv, 1), values = v.repeat_interleave(H / Hkv, 1);  // (B, H, T, hd)
+  const auto i = at::arange(T, at::kLong).unsqueeze(1), j = at::arange(T, at::kLong).unsqueeze(0);
+  auto allowed = ((j <= i) & (i - j < window)).view({1, 1, T, T});
+  if (mask.has_value()) allowed = allowed & mask->view({mask->size(0), 1, 1, T});
+  const auto any = allowed.any(-1, /*keepdim=*/true);  // (B?, 1, T, 1)
+  auto scores = at::matmul(q, keys.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
+  scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity())
+               .masked_fill(any.logical_not(), 0.0);
+  auto weights = at::softmax(scores, -1).masked_fill(any.logical_not(), 0.0);
+  if (dropout_p > 0) weights = at::dropout(weights, dropout_p, training);
+  return at::matmul(weights, values).transpose(1, 2);
+}
+
+}  // namespace
+
+at::Tensor BlockImpl::attend_windowed(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, KVCache* cache) {
+  const int64_t B = qkv.size(0), t = qkv.size(1), H = attn->n_heads(), Hkv = attn->n_kv_heads();
+  const auto [q, k, v] = split_heads(qkv, H, Hkv);
+  if (cache == nullptr) {
+    const double dropout_p = is_training() ? attn->dropout() : 0.0;
+    if (at::GradMode::is_enabled() || !qkv.device().is_cpu()) {
+      return windowed_attention_math(q, k, v, mask, *window_, dropout_p, is_training()).reshape({B, t, -1});
+    }
+    return std::get<0>(kernels::attention_heads_forward_cpu(q, k, v, mask, std::nullopt, window_, std::nullopt,
+                                                            dropout_p))
+        .reshape({B, t, -1});
+  }
+  // A prefill into empty caches attends its own tokens within the window; a step of one token per
+  // sequence its last `window` cached keys (its own included). Several new tokens after a past would
+  // each need a window of their own over a ragged cache: refused, as in Python.
+  const auto start = cache->lengths;                                     // (B,)
+  const auto end = cache_end(start, mask, t, cache->max_len());          // (B,), checked
+  const bool empty = !start.any().item<bool>();
+  TORCH_CHECK_VALUE(empty || t == 1, "a sliding-window model's cached step takes 1 token per sequence after the "
+                    "prefill; got ", t);
+  kernels::kv_cache_write_cpu(qkv, cache->k, cache->v, start, end, H, n_kv_heads_);
+  at::Tensor out;
+  if (empty) {
+    out = std::get<0>(kernels::attention_heads_forward_cpu(q, k, v, mask, std::nullopt, window_));
+  } else {
+    const int64_t length = end.max().item<int64_t>();
+    const auto keys = at::arange(length, at::kLong).unsqueeze(0);                             // (1, L)
+    const auto in_window = (keys < end.unsqueeze(1)) & (keys >= end.unsqueeze(1) - *window_);  // (B, L)
+    out = std::get<0>(kernels::attention_heads_forward_cpu(q, cache->k.narrow(2, 0, length),
+                                                           cache->v.narrow(2, 0, length), in_window));
+  }
+  cache->lengths.copy_(end);
+  return out.reshape({B, t, -1});
+}
+
 at::Tensor BlockImpl::forward(const at::Tensor& x, const std::optional<at::Tensor>& mask, KVCache* cache,
-                              const Rotary& rotary) {
+                              const Rotary* rotary) {
   const auto optional = [](const at::Tensor& b) { return b.defined() ? std::optional<at::Tensor>(b) : std::nullopt; };
   const auto h = ln1->forward(x);  // (B, T, dim)
   const int64_t H = attn->n_heads(), Hkv = attn->n_kv_heads();
+  const auto rotate = [&](const at::Tensor& qkv) { return rotary == nullptr ? qkv : rotary->apply(qkv, H, Hkv); };
   at::Tensor y;
   if (cache == nullptr) {
-    const auto qkv = rotary.apply(project(h, attn->qkv->weight, optional(attn->qkv->bias)), H, Hkv);
+    const auto qkv = rotate(project(h, attn->qkv->weight, optional(attn->qkv->bias)));
     const double dropout_p = is_training() ? attn->dropout() : 0.0;
-    y = project(attention(qkv, mask, H, dropout_p, std::nullopt, n_kv_heads_), attn->proj->weight,
-                optional(attn->proj->bias));
+    const auto heads = window_.has_value() ? attend_windowed(qkv, mask, nullptr)
+                                           : attention(qkv, mask, H, dropout_p, std::nullopt, n_kv_heads_);
+    y = project(heads, attn->proj->weight, optional(attn->proj->bias));
   } else {
     TORCH_CHECK_VALUE(x.device().is_cpu() && !at::GradMode::is_enabled(),
                       "the C++ KV cache path runs on CPU tensors under torch::NoGradGuard");
-    const auto qkv = rotary.apply(few_rows_linear(h, attn->qkv->weight, attn->qkv->bias), H, Hkv);
-    const auto start = cache->lengths;                                             // (B,)
-    const auto end = cache_end(start, mask, x.size(1), cache->max_len());          // (B,), checked
-    kernels::kv_cache_write_cpu(qkv, cache->k, cache->v, start, end, H, n_kv_heads_);  // rotated keys
-    const auto heads = kernels::decode_attention_cpu(qkv, cache->k, cache->v, start, end, H, n_kv_heads_);
-    cache->lengths.copy_(end);
+    const auto qkv = rotate(few_rows_linear(h, attn->qkv->weight, attn->qkv->bias));
+    at::Tensor heads;
+    if (window_.has_value()) {
+      heads = attend_windowed(qkv, mask, cache);
+    } else {
+      const auto start = cache->lengths;                                             // (B,)
+      const auto end = cache_end(start, mask, x.size(1), cache->max_len());          // (B,), checked
+      kernels::kv_cache_write_cpu(qkv, cache->k, cache->v, start, end, H, n_kv_heads_);  // rotated keys
+      heads = kernels::decode_attention_cpu(qkv, cache->k, cache->v, start, end, H, n_kv_heads_);
+      cache->lengths.copy_(end);
+    }
     y = few_rows_linear(heads, attn->proj->weight, attn->proj->bias);
   }
   const auto out = x + attn_drop->forward(y);
@@ -552,8 +606,6 @@ at::Tensor BlockImpl::forward(const at::Tensor& x, const std::optional<at::Tenso
 
 GPTImpl::GPTImpl(GPTConfig config) : config_(std::move(config)) {
   config_.validate();
-  TORCH_CHECK_VALUE(!config_.sliding_window.has_value(),
-                    "GPTConfig.sliding_window (Mistral's) is not implemented by the C++ GPT yet");
   tok = register_module("tok", torch::nn::Embedding(config_.vocab_size, config_.dim));
   if (config_.positions == "learned") {
     pos = register_module("pos", torch::nn::Embedding(config_.max_len, config_.dim));
@@ -612,16 +664,18 @@ at::Tensor GPTImpl::positions(const at::Tensor& tokens, const at::Tensor& offset
 
 at::Tensor GPTImpl::run_blocks(at::Tensor x, const std::optional<at::Tensor>& mask, const at::Tensor& positions,
                                std::vector<KVCache>* caches) {
-  if (!inv_freq_.defined()) {
+  if (!inv_freq_.defined() && !config_.sliding_window.has_value()) {
     for (size_t i = 0; i < blocks->size(); ++i) {
       auto* block = blocks[i]->as<BlockImpl>();
       x = caches == nullptr ? block->forward(x, mask) : block->forward(x, mask, (*caches)[i]);
     }
     return x;
   }
-  const auto rotary = Rotary::at(positions, inv_freq_, x.scalar_type());  // (B, T, hd)
+  std::optional<Rotary> rotary;
+  if (inv_freq_.defined()) rotary = Rotary::at(positions, inv_freq_, x.scalar_type());  // (B, T, hd)
   for (size_t i = 0; i < blocks->size(); ++i) {
-    x = blocks[i]->as<BlockImpl>()->forward(x, mask, caches == nullptr ? nullptr : &(*caches)[i], rotary);
+    x = blocks[i]->as<BlockImpl>()->forward(x, mask, caches == nullptr ? nullptr : &(*caches)[i],
+                                            rotary.has_value() ? &*rotary : nullptr);
   }
   return x;
 }
@@ -712,266 +766,6 @@ GenerateResult GPTImpl::generate(const std::vector<std::vector<int64_t>>& prompt
   }
   if (options.keep_logits) result.step_logits = at::stack(kept, 1);  // (B, steps, V)
   return result;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Loading GPT.save's files
-
-namespace {
-
-struct TensorShape {
-  std::string name;
-  std::vector<int64_t> shape;  // a size of -1: factor x size leaves int64 (the tensor is too large)
-};
-
-// GPT(config)'s parameters without building it, in named_parameters' order (as checkpoints.py's
-// parameter_layout): before the blocks, one block's (names after "blocks.{i}."), after the blocks.
-struct Layout {
-  std::vector<TensorShape> before, block, after;
-};
-
-int64_t times(int64_t factor, int64_t size) {
-  int64_t out = 0;
-  return __builtin_mul_overflow(factor, size, &out) ? -1 : out;
-}
-
-Layout parameter_layout(const GPTConfig& c) {
-  const int64_t d = c.dim, h = c.mlp_hidden.value_or(times(4, c.dim));
-  const auto with_bias = [&](std::vector<TensorShape>& out, const std::string& name, std::vector<int64_t> shape,
-                             bool bias) {
-    const int64_t rows = shape.front();
-    out.push_back({name + ".weight", std::move(shape)});
-    if (bias) out.push_back({name + ".bias", {rows}});
-  };
-  const bool norm_bias = c.bias && c.norm == "layernorm";
-  const int64_t qkv_rows = times(c.n_heads + 2 * c.kv_heads(), c.head_dim());
-  Layout layout;
-  layout.before = {{"tok.weight", {c.vocab_size, d}}};
-  if (c.positions == "learned") layout.before.push_back({"pos.weight", {c.max_len, d}});
-  with_bias(layout.block, "ln1", {d}, norm_bias);
-  with_bias(layout.block, "attn.qkv", {qkv_rows, d}, c.qkv_has_bias());
-  with_bias(layout.block, "attn.proj", {d, d}, c.proj_has_bias());
-  with_bias(layout.block, "ln2", {d}, norm_bias);
-  if (c.gated_mlp) {
-    with_bias(layout.block, "mlp.gate_up", {times(2, h), d}, c.mlp_has_bias());
-    with_bias(layout.block, "mlp.down", {d, h}, c.mlp_has_bias());
-  } else {
-    with_bias(layout.block, "mlp.0", {h, d}, c.mlp_has_bias());
-    with_bias(layout.block, "mlp.2", {d, h}, c.mlp_has_bias());
-  }
-  with_bias(layout.after, "ln_f", {d}, norm_bias);
-  if (!c.tie_head) layout.after.push_back({"head.weight", {c.vocab_size, d}});
-  return layout;
-}
-
-// Element count, or -1 when it (or a size) leaves int64.
-int64_t numel(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (const int64_t size : shape) {
-    if (size < 0 || __builtin_mul_overflow(n, size, &n)) return -1;
-  }
-  return n;
-}
-
-// A count in 64 bits that saturates: printed as checkpoints.py's _count_text prints it.
-struct Count {
-  uint64_t value = 0;
-  bool over = false;
-  Count& add(uint64_t n) {
-    over = over || __builtin_add_overflow(value, n, &value);
-    return *this;
-  }
-  Count times(uint64_t n) const {
-    Count out = *this;
-    out.over = out.over || __builtin_mul_overflow(value, n, &out.value);
-    return out;
-  }
-  std::string text() const { return over ? "more than 18446744073709551615" : std::to_string(value); }
-};
-
-// The layer index of "blocks.{i}.{rest}" (canonical decimal, below n_layers) and rest, or none.
-std::optional<std::pair<int64_t, std::string>> block_name(const std::string& name, int64_t n_layers) {
-  const std::string prefix = "blocks.";
-  if (name.rfind(prefix, 0) != 0) return std::nullopt;
-  const auto dot = name.find('.', prefix.size());
-  const auto digits = name.substr(prefix.size(), dot == std::string::npos ? std::string::npos : dot - prefix.size());
-  if (dot == std::string::npos || digits.empty() || digits.size() > 18 || (digits.size() > 1 && digits[0] == '0') ||
-      !std::all_of(digits.begin(), digits.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
-    return std::nullopt;
-  }
-  const int64_t index = std::stoll(digits);
-  if (index >= n_layers) return std::nullopt;
-  return std::pair(index, name.substr(dot + 1));
-}
-
-// Every tensor of one floating dtype.
-void check_dtypes(const SafetensorsFile& file) {
-  const auto source = file.path().string();
-  const auto& entries = file.entries();  // sorted by name
-  for (const auto& [name, entry] : entries) {
-    if (!at::isFloatingType(entry.dtype)) {
-      throw FormatError(concat(source, ": tensor '", name, "' has dtype ", safetensors_dtype_name(entry.dtype),
-                               "; expected a floating dtype (F64, F32, F16 or BF16)"));
-    }
-  }
-  for (const auto& [name, entry] : entries) {
-    const auto& [first, first_entry] = *entries.begin();
-    if (entry.dtype != first_entry.dtype) {
-      throw FormatError(concat(source, ": tensors of different dtypes: '", first, "' is ",
-                               safetensors_dtype_name(first_entry.dtype), ", '", name, "' is ",
-                               safetensors_dtype_name(entry.dtype), " (every tensor must share one floating dtype)"));
-    }
-  }
-}
-
-// The tensors of the model that a config describes: their names and shapes, without listing the
-// blocks' names one by one (n_layers may be anything a file claims).
-class ModelTensors {
- public:
-  ModelTensors(const GPTConfig& config, const std::string& config_source)
-      : layout_(parameter_layout(config)), n_layers_(config.n_layers) {
-    for (const auto* part : {&layout_.before, &layout_.block, &layout_.after}) {
-      for (const auto& tensor : *part) {
-        if (numel(tensor.shape) < 0) {
-          throw FormatError(
-              concat(config_source, " describes tensors too large to address (tensor '", tensor.name, "')"));
-        }
-      }
-    }
-    for (const auto* part : {&layout_.before, &layout_.after}) {
-      for (const auto& tensor : *part) outside_[tensor.name] = &tensor.shape;
-    }
-    for (const auto& tensor : layout_.block) per_block_[tensor.name] = &tensor.shape;
-  }
-
-  // The shape the model expects of tensor `name`, or nullptr where it has no such tensor.
-  const std::vector<int64_t>* shape_of(const std::string& name) const {
-    if (const auto found = outside_.find(name); found != outside_.end()) return found->second;
-    const auto in_block = block_name(name, n_layers_);
-    if (!in_block.has_value()) return nullptr;
-    const auto found = per_block_.find(in_block->second);
-    return found == per_block_.end() ? nullptr : found->second;
-  }
-
-  // Calls visit(name) for the model's tensor names in order until it returns false.
-  template <typename Visit>
-  void for_each_name(const Visit& visit) const {
-    for (const auto& tensor : layout_.before) {
-      if (!visit(tensor.name)) return;
-    }
-    for (int64_t i = 0; i < n_layers_; ++i) {
-      for (const auto& tensor : layout_.block) {
-        if (!visit(concat("blocks.", i, ".", tensor.name))) return;
-      }
-    }
-    for (const auto& tensor : layout_.after) {
-      if (!visit(tensor.name)) return;
-    }
-  }
-
-  Count tensors() const { return Count{per_block_.size()}.times(static_cast<uint64_t>(n_layers_)).add(outside_.size()); }
-
-  Count parameters() const {
-    Count block;
-    for (const auto& tensor : layout_.block) block.add(static_cast<uint64_t>(numel(tensor.shape)));
-    Count total = block.times(static_cast<uint64_t>(n_layers_));
-    for (const auto* part : {&layout_.before, &layout_.after}) {
-      for (const auto& tensor : *part) total.add(static_cast<uint64_t>(numel(tensor.shape)));
-    }
-    return total;
-  }
-
- private:
-  const Layout layout_;
-  const int64_t n_layers_;
-  std::map<std::string, const std::vector<int64_t>*> outside_, per_block_;
-};
-
-// The file lacks some of the model's tensors: names the first of them, and says so first where the
-// config asks for more bytes than the file holds (n_layers = 10**6, say).
-[[noreturn]] void missing_tensors(const ModelTensors& model, const SafetensorsFile& file,
-                                  const std::string& config_source) {
-  const auto source = file.path().string();
-  std::vector<std::string> missing;
-  model.for_each_name([&](const std::string& name) {
-    if (!file.contains(name)) missing.push_back(name);
-    return missing.size() < 9;
-  });
-  uint64_t held = 0;
-  for (const auto& [_, entry] : file.entries()) held += entry.end - entry.begin;
-  const auto dtype = file.entries().empty() ? at::kFloat : file.entries().begin()->second.dtype;
-  const Count n_params = model.parameters();
-  const Count needed = n_params.times(c10::elementSize(dtype));
-  if (needed.over || needed.value > held) {
-    throw FormatError(concat(config_source, " describes a model of ", n_params.text(), " parameters (", needed.text(),
-                             " bytes as ", safetensors_dtype_name(dtype), ") but ", source, " holds ", held,
-                             " bytes; missing tensor(s) ", listing(missing)));
-  }
-  throw FormatError(concat(source, ": missing tensor(s) ", listing(missing)));
-}
-
-// Checks the file's header against config (checkpoints.py's check_header: the same rules, order and
-// messages); returns the model's dtype. Costs time and memory in the header's size only.
-at::ScalarType check_header(const GPTConfig& config, const SafetensorsFile& file, const std::string& config_source) {
-  const auto source = file.path().string();
-  const auto& entries = file.entries();  // sorted by name
-  check_dtypes(file);
-  const ModelTensors model(config, config_source);
-  std::vector<std::string> unexpected;
-  for (const auto& [name, _] : entries) {
-    if (model.shape_of(name) == nullptr) unexpected.push_back(name);
-  }
-  if (!unexpected.empty()) {
-    throw FormatError(concat(source, ": unexpected tensor(s) ", listing(unexpected), " (not in the model that ",
-                             config_source, " describes)"));
-  }
-  // Every name in the file is expected: the missing ones are found within entries.size() + 9 names.
-  const Count n_tensors = model.tensors();
-  if (n_tensors.over || entries.size() < n_tensors.value) missing_tensors(model, file, config_source);
-  // Now the file holds every name of the model and no other: a shape that differs is the only way
-  // left for it to hold fewer (or more) bytes than the model needs.
-  model.for_each_name([&](const std::string& name) {
-    const auto& shape = entries.at(name).shape;
-    const auto* want = model.shape_of(name);
-    if (shape != *want) {
-      throw FormatError(concat(source, ": tensor '", name, "' has shape ", shape_string(shape), "; the model (",
-                               config_source, ") expects ", shape_string(*want)));
-    }
-    return true;
-  });
-  return entries.begin()->second.dtype;
-}
-
-}  // namespace
-
-GPT load_gpt(const std::filesystem::path& directory) {
-  const auto config_path = directory / "config.json";
-  const auto weights_path = directory / "model.safetensors";
-  for (const auto& path : {config_path, weights_path}) {
-    if (!std::filesystem::is_regular_file(path)) {
-      throw FormatError(path.string() + " not found: load_gpt takes a directory written by GPT.save (or the demo)");
-    }
-  }
-  std::ifstream in(config_path);
-  std::stringstream text;
-  text << in.rdbuf();
-  const auto config = GPTConfig::from_json(text.str(), config_path.string());
-  // The header against the config before anything is allocated: a config that asks for more than
-  // the file holds is refused here, whatever its size.
-  const SafetensorsFile file(weights_path);
-  const auto dtype = check_header(config, file, config_path.string());
-
-  GPT model(config);
-  model->to(dtype);
-  torch::NoGradGuard no_grad;
-  for (auto& param : model->named_parameters()) {
-    const auto value = file.read(param.key());
-    TORCH_CHECK(value.sizes() == param.value().sizes(), "load_gpt: parameter_layout disagrees with the model at '",
-                param.key(), "'");
-    param.value().copy_(value);
-  }
-  model->eval();
-  return model;
 }
 
 }  // namespace causal_attention

@@ -178,6 +178,8 @@ TEST(GPTConfig, LlamaOptionsRoundTripAndChecks) {
   EXPECT_EQ(message_of(bad), "GPTConfig.rope_scaling needs positions='rope'");
   json windowed = json::parse(config.to_json());
   windowed["sliding_window"] = 4;
+  EXPECT_EQ(GPTConfig::from_json(windowed.dump()).sliding_window, 4);
+  windowed["sliding_window"] = 0;
   EXPECT_THROW(GPTConfig::from_json(windowed.dump()), FormatError);
   json other = json::parse(config.to_json());
   other["rope_scaling"]["rope_type"] = "yarn";
@@ -273,6 +275,151 @@ TEST(GPT, GenerateMatchesTheFullForward) {
     const auto alone = model->generate({prompts[b]}, options);
     EXPECT_EQ(alone.tokens[0], result.tokens[b]);
   }
+}
+
+// Mistral's sliding window: a window at least as long as the sequence is no window; a shorter one
+// equals the specification (each position's last `window` keys, padding left out) in the kernel path,
+// the autograd path and the cache path (a prefill, then one token per step).
+TEST(GPT, SlidingWindowEqualsTheSpecification) {
+  torch::manual_seed(12);
+  auto config = small_config(false, false);
+  config.n_kv_heads = 2;
+  config.norm = "rmsnorm";
+  config.gated_mlp = true;
+  config.activation = "silu";
+  config.positions = "rope";
+  config.n_layers = 1;  // so that position t depends on tokens t-2..t alone (layers compound the window)
+  auto plain = random_model(config);
+  const auto tokens = torch::randint(0, config.vocab_size, {3, 11}, torch::kLong);
+  auto mask = torch::ones({3, 11}, torch::kBool);
+  mask[1].narrow(0, 6, 5).fill_(false);
+  mask[2].narrow(0, 1, 10).fill_(false);
+  const auto with_window = [&](int64_t window) {
+    auto c = config;
+    c.sliding_window = window;
+    GPT model(c);
+    model->to(torch::kFloat64);
+    torch::NoGradGuard no_grad;
+    for (auto& p : model->named_parameters()) p.value().copy_(plain->named_parameters()[p.key()]);
+    model->eval();
+    return model;
+  };
+  torch::NoGradGuard no_grad;
+  const auto expected = plain->forward(tokens, mask);
+  EXPECT_LE(max_abs_diff(with_window(11)->forward(tokens, mask), expected), 1e-12);
+  auto windowed = with_window(3);
+  const auto out = windowed->forward(tokens, mask);
+  EXPECT_GT(max_abs_diff(out, expected), 1e-3);  // the window changes the answer
+  {
+    torch::AutoGradMode grad(true);  // the differentiable path: the same numbers
+    EXPECT_LE(max_abs_diff(windowed->forward(tokens, mask), out), 1e-12);
+  }
+  // Position t with window 3 sees t-2..t: the logits at t equal those of the sequence cut to t-2..t
+  // (rotary positions are relative: only the offsets between query and keys matter, up to the
+  // float32 angles of cos and sin, as transformers computes them).
+  for (int64_t t = 2; t < 11; ++t) {
+    const auto cut = tokens[0].narrow(0, t - 2, 3).unsqueeze(0);
+    EXPECT_LE(max_abs_diff(plain->forward(cut)[0][2], out[0][t]), 1e-6) << "position " << t;
+  }
+  causal_attention::GenerateOptions options;
+  options.max_new_tokens = 7;
+  options.keep_logits = true;
+  const std::vector<std::vector<int64_t>> prompts{{1, 2, 3, 4, 5, 6}, {7}, {8, 9}};
+  const auto result = windowed->generate(prompts, options);
+  for (size_t b = 0; b < prompts.size(); ++b) {
+    auto seq = prompts[b];
+    for (int64_t s = 0; s < 7; ++s) {
+      const auto full = windowed->forward(torch::tensor(seq).unsqueeze(0))[0][static_cast<int64_t>(seq.size()) - 1];
+      EXPECT_LE(max_abs_diff(result.step_logits[b][s], full), 1e-10) << "prompt " << b << " step " << s;
+      seq.push_back(result.tokens[b][s]);
+    }
+  }
+  // Several new tokens after a past would each need a window of their own: refused.
+  auto caches = windowed->make_caches(1, 12);
+  windowed->hidden_states(torch::tensor({1, 2, 3}).unsqueeze(0), std::nullopt, caches);
+  EXPECT_THROW(windowed->hidden_states(torch::tensor({4, 5}).unsqueeze(0), std::nullopt, caches), c10::ValueError);
+}
+
+// transformers' config.json read by convert.py's rules: the Llama family's names and defaults, and
+// every option GPT lacks refused by name.
+TEST(ConfigFromHuggingface, ReadsTheFamilyAndRefusesByName) {
+  json llama{{"model_type", "llama"},      {"hidden_size", 32},     {"num_attention_heads", 4},
+             {"num_key_value_heads", 2},   {"num_hidden_layers", 3}, {"intermediate_size", 40},
+             {"vocab_size", 90},           {"rms_norm_eps", 1e-5},   {"attention_bias", true},
+             {"rope_parameters", {{"rope_type", "llama3"}, {"rope_theta", 5e5}, {"factor", 8.0},
+                                  {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
+                                  {"original_max_position_embeddings", 16}}}};
+  const auto c = causal_attention::config_from_huggingface(llama.dump());
+  EXPECT_EQ(c.dim, 32);
+  EXPECT_EQ(c.kv_heads(), 2);
+  EXPECT_EQ(c.n_layers, 3);
+  EXPECT_EQ(c.hidden(), 40);
+  EXPECT_EQ(c.max_len, 2048);  // LlamaConfig's default
+  EXPECT_EQ(c.layer_norm_eps, 1e-5);
+  EXPECT_TRUE(c.qkv_has_bias() && c.proj_has_bias() && !c.mlp_has_bias());
+  EXPECT_FALSE(c.tie_head);
+  EXPECT_EQ(c.rope_theta, 5e5);
+  ASSERT_TRUE(c.rope_scaling.has_value());
+  EXPECT_EQ(c.rope_scaling->original_max_position_embeddings, 16.0);
+  EXPECT_EQ(c.norm, "rmsnorm");
+  EXPECT_EQ(c.positions, "rope");
+
+  json qwen = llama;
+  qwen["model_type"] = "qwen2";
+  qwen.erase("rope_parameters");
+  qwen["rope_theta"] = 1e6;  // transformers 4's spelling
+  const auto q = causal_attention::config_from_huggingface(qwen.dump());
+  EXPECT_TRUE(q.qkv_has_bias() && !q.proj_has_bias() && !q.mlp_has_bias());
+  EXPECT_EQ(q.rope_theta, 1e6);
+  EXPECT_FALSE(q.rope_scaling.has_value());
+
+  json mistral = qwen;
+  mistral["model_type"] = "mistral";
+  mistral["sliding_window"] = 5;
+  const auto m = causal_attention::config_from_huggingface(mistral.dump());
+  EXPECT_EQ(m.sliding_window, 5);
+  EXPECT_FALSE(m.qkv_has_bias());
+
+  const auto gpt2 = causal_attention::config_from_huggingface(json{{"model_type", "gpt2"}, {"n_embd", 96}}.dump());
+  EXPECT_EQ(gpt2.dim, 96);
+  EXPECT_EQ(gpt2.n_heads, 12);
+  EXPECT_EQ(gpt2.vocab_size, 50257);
+  EXPECT_EQ(gpt2.activation, "gelu_tanh");
+  EXPECT_TRUE(gpt2.tie_head && gpt2.bias);
+
+  const auto message = [](const json& values) {
+    try {
+      causal_attention::config_from_huggingface(values.dump(), "dir/config.json");
+    } catch (const FormatError& error) {
+      return std::string(error.what());
+    }
+    return std::string("accepted");
+  };
+  auto bad = llama;
+  bad["rope_parameters"]["rope_type"] = "yarn";
+  EXPECT_EQ(message(bad), "dir/config.json: rope type 'yarn' is not supported (GPT implements 'default' and 'llama3')");
+  bad = llama;
+  bad["head_dim"] = 16;
+  EXPECT_NE(message(bad).find("head_dim=16 is not supported"), std::string::npos);
+  bad = llama;
+  bad["hidden_size"] = 32.5;
+  EXPECT_EQ(message(bad), "dir/config.json: hidden_size must be an int; got 32.5");
+  bad = llama;
+  bad.erase("vocab_size");
+  EXPECT_EQ(message(bad), "dir/config.json: missing option vocab_size");
+  bad = llama;
+  bad["model_type"] = "gemma2";
+  EXPECT_NE(message(bad).find("model_type \"gemma2\" is not supported"), std::string::npos);
+  bad = qwen;
+  bad["use_sliding_window"] = true;
+  bad["max_window_layers"] = 1;
+  EXPECT_NE(message(bad).find("use_sliding_window=true is not supported for Qwen2"), std::string::npos);
+  bad["max_window_layers"] = 3;  // windows from layer 3 on: none of the 3 layers, so full attention
+  EXPECT_EQ(message(bad), "accepted");
+  EXPECT_NE(message(json{{"model_type", "gpt2"}, {"reorder_and_upcast_attn", true}}).find("reorder_and_upcast_attn"),
+            std::string::npos);
+  EXPECT_NE(message(json{{"model_type", "gpt2"}, {"n_head", 5}}).find("n_head=5 does not divide n_embd=768"),
+            std::string::npos);
 }
 
 // A bfloat16/half model chooses from its head's float32 sums by default (GenerateOptions::float32_logits):

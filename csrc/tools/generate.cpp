@@ -1,4 +1,5 @@
-// causal-attention-generate: runs a model that Python's GPT.save (or the demo) wrote, in C++.
+// causal-attention-generate: runs a model that Python's GPT.save (or the demo) wrote, or a
+// transformers save_pretrained directory as it is (GPT-2, Llama, Qwen2, Mistral), in C++.
 //
 //   causal-attention-generate --model demo_out --prompt 0123456789      # the demo: prints 9876543210
 //   causal-attention-generate --model gpt2_dir --tokens 464,3290 --tokens 40 --max-new-tokens 20
@@ -263,7 +264,7 @@ int run(const Arguments& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Generate with a causal_attention GPT saved by Python (GPT.save or the demo): "
+  CLI::App app{"Generate with a causal_attention GPT saved by Python (GPT.save or the demo) or by transformers: "
                "greedy or top-k, ragged batches, the C++ KV cache.",
                "causal-attention-generate"};
   Arguments args;
@@ -280,7 +281,9 @@ int main(int argc, char** argv) {
         return used == text.size() && used > 0 && value > 0 ? "" : "expected a positive integer; got '" + text + "'";
       },
       "POSITIVE");
-  app.add_option("--model", args.model, "directory with config.json and model.safetensors (GPT.save, the demo's --out)")
+  app.add_option("--model", args.model,
+                 "directory with config.json and model.safetensors (GPT.save, the demo's --out), or a transformers "
+                 "save_pretrained directory (GPT-2, Llama, Qwen2, Mistral; sharded or not)")
       ->required();
   auto* prompt = app.add_option("--prompt", args.prompts,
                                 "text prompt, encoded by the model's tokenizer.json (the demo: a digit string); "

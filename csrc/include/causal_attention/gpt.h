@@ -12,7 +12,7 @@
 // Parameters: tok, pos (embeddings; none with rotary positions), blocks.{i}.ln1, .attn.qkv, .attn.proj,
 // .ln2, .mlp.0, .mlp.2 (the MLP's Linears; a gated MLP's .mlp.gate_up and .mlp.down), ln_f and, with an
 // untied head, head; with bias = false the Linears and LayerNorms have weights only (per-projection
-// biases: qkv_bias, proj_bias, mlp_bias). The Llama family's options but the sliding window are built.
+// biases: qkv_bias, proj_bias, mlp_bias). Every option of the Llama family is built.
 #pragma once
 
 #include "causal_attention/module.h"
@@ -57,7 +57,7 @@ struct GPTConfig {
   };
   std::optional<RopeScaling> rope_scaling;
   std::optional<bool> qkv_bias, proj_bias, mlp_bias;  // none: as bias
-  std::optional<int64_t> sliding_window;              // not built by the C++ GPT yet (load refuses it)
+  std::optional<int64_t> sliding_window;              // keys each query sees, its own included (Mistral's)
 
   int64_t hidden() const { return mlp_hidden.value_or(4 * dim); }
   int64_t head_dim() const { return dim / n_heads; }
@@ -127,9 +127,11 @@ class BlockImpl : public torch::nn::Module {
   explicit BlockImpl(const GPTConfig& config);
   at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& mask);
   at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& mask, KVCache& cache);
-  // A rotary model's block: rotary holds cos and sin (B, T, hd) at x's positions; cache may be null.
+  // A rotary or sliding-window model's block, projection by projection: rotary holds cos and sin
+  // (B, T, hd) at x's positions (null without rotary positions); cache may be null. With a cache and a
+  // window: a prefill into empty caches, or one token per sequence.
   at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& mask, KVCache* cache,
-                     const Rotary& rotary);
+                     const Rotary* rotary);
   // The MLP of forward without a cache, its products by causal_attention::project: (..., dim) -> (..., dim).
   at::Tensor mlp_forward(const at::Tensor& x);
   at::Tensor activate(const at::Tensor& x);  // the MLP's activation (mlp[1])
@@ -142,7 +144,11 @@ class BlockImpl : public torch::nn::Module {
 
  private:
   at::Tensor mlp_of(const at::Tensor& x, bool step);  // whichever MLP the block has
+  // The sliding window's attention of qkv (B, t, (H + 2 Hkv) * hd), q and k rotated -> (B, t, H * hd);
+  // with a cache, the keys and values are written and the lengths advance.
+  at::Tensor attend_windowed(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, KVCache* cache);
   std::optional<int64_t> n_kv_heads_;
+  std::optional<int64_t> window_;  // GPTConfig.sliding_window
 };
 TORCH_MODULE(Block);
 
@@ -209,11 +215,19 @@ class GPTImpl : public torch::nn::Module {
 };
 TORCH_MODULE(GPT);
 
-// The model GPT.save (or the demo) wrote into directory: config.json + model.safetensors. The
-// file's header is checked against the config before the model is built (as GPT.load does, with
-// the same messages): all tensors of one floating dtype (the model's), none unexpected, no more
-// bytes asked for than the file holds, none missing, each of the model's shape; a FormatError
-// names the file and the tensor.
+// The model in directory: what GPT.save (or the demo) wrote (config.json + model.safetensors), or
+// a transformers save_pretrained directory as it is (GPT2LMHeadModel / GPT2Model, LlamaForCausalLM,
+// Qwen2ForCausalLM, MistralForCausalLM: config.json + model.safetensors or
+// model.safetensors.index.json and its shards; q | k | v and gate | up read into the joined rows,
+// GPT-2's Conv1D weights transposed). The headers are checked against the config before the model
+// is built (for GPT.save's files as GPT.load does, with the same messages): all tensors of one
+// floating dtype (the model's), none unexpected, no more bytes asked for than the files hold, none
+// missing, each of the model's shape; a FormatError names the file and the tensor or option.
 GPT load_gpt(const std::filesystem::path& directory);
+
+// GPTConfig from transformers' config.json text (GPT2Config, LlamaConfig, Qwen2Config,
+// MistralConfig), by convert.py's config_from_huggingface rules: an absent or null option takes the
+// config class's default; an option GPT cannot represent is a FormatError naming it and `source`.
+GPTConfig config_from_huggingface(const std::string& text, const std::string& source = "config.json");
 
 }  // namespace causal_attention

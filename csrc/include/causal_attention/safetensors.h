@@ -48,8 +48,13 @@ class SafetensorsFile {
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   bool contains(const std::string& name) const { return entries_.count(name) != 0; }
 
+  // The entry of tensor `name` (a FormatError naming it where the file has none).
+  const SafetensorsEntry& entry(const std::string& name) const;
   // The tensor, read from the file (a fresh CPU tensor of the stored dtype and shape).
   at::Tensor read(const std::string& name) const;
+  // The tensor read into out: a contiguous CPU tensor of its dtype and shape (a row slice of a
+  // larger one, say), with no copy in between.
+  void read_into(const std::string& name, const at::Tensor& out) const;
 
  private:
   std::filesystem::path path_;
