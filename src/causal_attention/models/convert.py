@@ -256,8 +256,13 @@ def _read_safetensors_dir(directory: Path) -> dict[str, Tensor]:
 
 def from_huggingface(source: Any, *, n_heads: int | None = None) -> GPT:
     """A GPT holding transformers' GPT-2, Llama, Qwen2 or Mistral weights, exactly (see the module
-    docstring and convert_llama.py). A bare state_dict is read as GPT-2's (the Llama family's
-    options are not in its tensors: pass the model or its directory)."""
+    docstring and convert_llama.py), in eval mode as from_pretrained's models are (GPT-2's configs
+    carry dropout 0.1). A bare state_dict is read as GPT-2's (the Llama family's options are not in
+    its tensors: pass the model or its directory)."""
+    return _from_huggingface(source, n_heads).eval()
+
+
+def _from_huggingface(source: Any, n_heads: int | None) -> GPT:
     state, config, name = _hf_state_and_config(source, n_heads)
     if config is not None and convert_llama.is_llama_family(config):
         if n_heads is not None and n_heads != config.n_heads:
