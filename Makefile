@@ -14,15 +14,16 @@ CMAKE_DEFINES := -C cmake.define.CA_BUILD_TESTS=ON -C cmake.define.CA_BUILD_BENC
 
 all: test
 
-# Debian packages for the C++ tests and benchmarks, JSON and the generation program's command line
-# (root here and in CI).
+# Debian packages for the C++ tests and benchmarks, JSON, and the generation program's command line
+# and tokenizer (ICU) (root here and in CI).
 build/.system-deps:
 	@mkdir -p build
 	@if [ ! -f /usr/include/gtest/gtest.h ] || [ ! -f /usr/include/benchmark/benchmark.h ] \
-	    || [ ! -f /usr/include/nlohmann/json.hpp ] || [ ! -f /usr/include/CLI/CLI.hpp ]; then \
-	  echo "installing libgtest-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev"; \
+	    || [ ! -f /usr/include/nlohmann/json.hpp ] || [ ! -f /usr/include/CLI/CLI.hpp ] \
+	    || [ ! -f /usr/include/unicode/regex.h ]; then \
+	  echo "installing libgtest-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev libicu-dev"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev libbenchmark-dev \
-	    nlohmann-json3-dev libcli11-dev >/dev/null; \
+	    nlohmann-json3-dev libcli11-dev libicu-dev >/dev/null; \
 	fi
 	@touch $@
 

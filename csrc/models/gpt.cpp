@@ -757,8 +757,11 @@ GenerateResult GPTImpl::generate(const std::vector<std::vector<int64_t>>& prompt
     const auto next = choose(last).to(at::kLong).contiguous();  // (B,)
     const auto* chosen = next.const_data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) {
-      if (!done[b]) result.tokens[b].push_back(chosen[b]);
-      if (options.eos_id.has_value() && chosen[b] == *options.eos_id) done[b] = true;
+      if (done[b]) continue;
+      result.tokens[b].push_back(chosen[b]);
+      if (options.on_token) options.on_token(b, chosen[b]);
+      done[b] = (options.eos_id.has_value() && chosen[b] == *options.eos_id) ||
+                std::find(options.stop_ids.begin(), options.stop_ids.end(), chosen[b]) != options.stop_ids.end();
     }
     if (std::all_of(done.begin(), done.end(), [](bool d) { return d; }) || step == options.max_new_tokens - 1) break;
     const auto hs = hidden_states(next.unsqueeze(1), std::nullopt, caches);  // (B, 1, dim)

@@ -7,6 +7,7 @@
 // Bad arguments and corrupt or mismatched files: the error on stderr and exit code 2.
 #include "causal_attention/gpt.h"
 #include "causal_attention/safetensors.h"
+#include "tokenizer.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -23,6 +24,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <variant>
 #include <vector>
 
 namespace {
@@ -116,6 +118,72 @@ struct CharTokenizer {
   }
 };
 
+// The tokenizer beside the model: the demo's characters or a transformers byte-level BPE.
+class Tokenizer {
+ public:
+  // The directory's tokenizer.json; `needed`: --prompt or --tokenize use it. Unneeded, a transformers
+  // tokenizer this program cannot read is left out with a note on stderr (--tokens still run).
+  static std::optional<Tokenizer> load(const std::filesystem::path& directory, int64_t vocab_size, bool needed) {
+    const auto path = directory / "tokenizer.json";
+    if (!needed && !std::filesystem::exists(path)) return std::nullopt;
+    std::ifstream in(path);
+    std::stringstream text;
+    if (in) text << in.rdbuf();
+    const auto values = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+    if (!in || !values.is_object() || !values.contains("model")) {
+      return Tokenizer{CharTokenizer::load(path, vocab_size)};  // its errors name what is wrong
+    }
+    try {
+      return Tokenizer{causal_attention::BpeTokenizer::load(path, vocab_size)};
+    } catch (const FormatError& error) {
+      if (needed) throw;
+      std::cerr << "causal-attention-generate: note: tokenizer.json not read (" << error.what() << ")\n";
+      return std::nullopt;
+    }
+  }
+
+  std::vector<int64_t> encode(const std::string& text) const {
+    return std::visit([&](const auto& t) { return t.encode(text); }, tokenizer_);
+  }
+  std::string decode(const std::vector<int64_t>& ids) const {
+    return std::visit([&](const auto& t) { return t.decode(ids); }, tokenizer_);
+  }
+  std::optional<int64_t> eos_id() const {
+    const auto* chars = std::get_if<CharTokenizer>(&tokenizer_);
+    return chars != nullptr ? chars->eos_id : std::nullopt;  // a transformers model names it in its config
+  }
+
+ private:
+  explicit Tokenizer(std::variant<CharTokenizer, causal_attention::BpeTokenizer> tokenizer)
+      : tokenizer_(std::move(tokenizer)) {}
+  std::variant<CharTokenizer, causal_attention::BpeTokenizer> tokenizer_;
+};
+
+// A transformers directory's end-of-sequence ids: generation_config.json's eos_token_id, else
+// config.json's (an int or a list); none for our own files.
+std::vector<int64_t> transformers_eos_ids(const std::filesystem::path& directory, int64_t vocab_size) {
+  for (const char* name : {"generation_config.json", "config.json"}) {
+    std::ifstream in(directory / name);
+    if (!in) continue;
+    std::stringstream text;
+    text << in.rdbuf();
+    const auto values = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+    if (!values.is_object() || (std::string(name) == "config.json" && !values.contains("model_type"))) continue;
+    if (!values.contains("eos_token_id") || values["eos_token_id"].is_null()) continue;
+    const auto& eos = values["eos_token_id"];
+    std::vector<int64_t> ids;
+    for (const auto& id : eos.is_array() ? eos : nlohmann::json::array({eos})) {
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab_size) {
+        throw FormatError((directory / name).string() + ": eos_token_id " + eos.dump() +
+                          " must be ids of the model's vocabulary 0.." + std::to_string(vocab_size - 1));
+      }
+      ids.push_back(id.get<int64_t>());
+    }
+    return ids;
+  }
+  return {};
+}
+
 std::vector<int64_t> parse_token_list(const std::string& text) {
   if (text.empty()) throw std::invalid_argument("--tokens: empty token list");
   std::vector<int64_t> ids;
@@ -160,24 +228,63 @@ struct Arguments {
   std::string dump_logits;
   bool bench = false;
   bool rounded_logits = false;
+  bool tokenize = false;
   int bench_runs = 3;
 };
 
 // The options of generate: the command line's, with defaults from the model and the tokenizer.
 causal_attention::GenerateOptions generate_options(const Arguments& args, const causal_attention::GPTConfig& config,
-                                                   const std::optional<CharTokenizer>& tokenizer, int64_t longest) {
+                                                   const std::optional<Tokenizer>& tokenizer,
+                                                   const std::vector<int64_t>& model_eos, int64_t longest) {
   causal_attention::GenerateOptions options;
   // The last token is never fed back, so a prompt of max_len tokens still gets one.
   options.max_new_tokens =
       args.max_new_tokens.value_or(std::max<int64_t>(1, std::min<int64_t>(32, config.max_len - longest + 1)));
   options.top_k = args.top_k;
   options.temperature = args.temperature;
-  options.eos_id = args.eos.has_value() ? args.eos : (tokenizer ? tokenizer->eos_id : std::nullopt);
+  if (args.eos.has_value()) {
+    options.eos_id = args.eos;
+  } else if (tokenizer && tokenizer->eos_id()) {
+    options.eos_id = tokenizer->eos_id();
+  } else {
+    options.stop_ids = model_eos;
+  }
   if (args.seed) options.seed = static_cast<uint64_t>(*args.seed);
   options.keep_logits = !args.dump_logits.empty();
   options.float32_logits = !args.rounded_logits;
   return options;
 }
+
+// Prints one sequence's text as its tokens come: what decodes so far, less a last character whose
+// bytes have not all arrived (U+FFFD until they do).
+class TextStream {
+ public:
+  explicit TextStream(const Tokenizer& tokenizer) : tokenizer_(tokenizer) {}
+  void add(int64_t token) {
+    ids_.push_back(token);
+    auto text = tokenizer_.decode(ids_);
+    const std::string replacement = "\xEF\xBF\xBD";
+    while (text.size() >= 3 && text.compare(text.size() - 3, 3, replacement) == 0) text.resize(text.size() - 3);
+    emit(text);
+  }
+  void finish() {
+    emit(tokenizer_.decode(ids_));
+    std::cout << "\n" << std::flush;
+  }
+
+ private:
+  void emit(const std::string& text) {
+    if (text.size() > printed_ && text.compare(0, printed_, printed_text_) == 0) {
+      std::cout << text.substr(printed_) << std::flush;
+      printed_text_ = text;
+      printed_ = text.size();
+    }
+  }
+  const Tokenizer& tokenizer_;
+  std::vector<int64_t> ids_;
+  std::string printed_text_;
+  size_t printed_ = 0;
+};
 
 // --dump-logits: the right-padded prompts, their mask, the full forward's logits (zero at padding),
 // each generation step's logits and the generated tokens (padded with -1), for the parity tests.
@@ -238,23 +345,44 @@ int run(const Arguments& args) {
   auto model = causal_attention::load_gpt(directory);
   const auto& config = model->config();
 
-  // The tokenizer encodes --prompt and gives --prompt and --tokens alike their default EOS.
-  const auto tokenizer_path = directory / "tokenizer.json";
-  std::optional<CharTokenizer> tokenizer;
-  if (!args.prompts.empty() || std::filesystem::exists(tokenizer_path)) {
-    tokenizer = CharTokenizer::load(tokenizer_path, config.vocab_size);
-  }
+  // The tokenizer encodes --prompt and, for the demo's files, gives --prompt and --tokens alike their
+  // default EOS; a transformers directory names its own.
+  const auto tokenizer = Tokenizer::load(directory, config.vocab_size, !args.prompts.empty() || args.tokenize);
+  const auto model_eos = transformers_eos_ids(directory, config.vocab_size);
   std::vector<std::vector<int64_t>> prompts;
   for (const auto& input : args.inputs) {
     prompts.push_back(input.text ? tokenizer->encode(input.value) : parse_token_list(input.value));
   }
+  if (args.tokenize) {  // each input's ids and text, one JSON line each; no generation
+    for (const auto& ids : prompts) {
+      for (const auto id : ids) {
+        if (id >= config.vocab_size) {
+          throw std::invalid_argument("--tokens: id " + std::to_string(id) + " is outside the model's vocabulary 0.." +
+                                      std::to_string(config.vocab_size - 1));
+        }
+      }
+      std::cout << nlohmann::json{{"ids", ids}, {"text", tokenizer->decode(ids)}}.dump() << "\n";
+    }
+    return 0;
+  }
   int64_t longest = 0;
   for (const auto& p : prompts) longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
 
-  const auto options = generate_options(args, config, tokenizer, longest);
+  auto options = generate_options(args, config, tokenizer, model_eos, longest);
+  // One text prompt: its answer is printed as it comes.
+  std::optional<TextStream> stream;
+  if (args.inputs.size() == 1 && args.inputs[0].text) {
+    stream.emplace(*tokenizer);
+    options.on_token = [&](int64_t, int64_t token) { stream->add(token); };
+  }
   const auto result = model->generate(prompts, options);
+  options.on_token = nullptr;
   for (size_t b = 0; b < prompts.size(); ++b) {
-    std::cout << (args.inputs[b].text ? tokenizer->decode(result.tokens[b]) : join(result.tokens[b])) << "\n";
+    if (stream) {
+      stream->finish();
+    } else {
+      std::cout << (args.inputs[b].text ? tokenizer->decode(result.tokens[b]) : join(result.tokens[b])) << "\n";
+    }
   }
   if (!args.dump_logits.empty()) dump_logits(args.dump_logits, model, prompts, longest, result);
   if (args.bench) bench(model, prompts, options, args.bench_runs);
@@ -286,19 +414,24 @@ int main(int argc, char** argv) {
                  "save_pretrained directory (GPT-2, Llama, Qwen2, Mistral; sharded or not)")
       ->required();
   auto* prompt = app.add_option("--prompt", args.prompts,
-                                "text prompt, encoded by the model's tokenizer.json (the demo: a digit string); "
-                                "repeat for a batch");
+                                "text prompt, encoded by the model's tokenizer.json (the demo's characters, or a "
+                                "transformers byte-level BPE: GPT-2, Llama 3, Qwen2); repeat for a batch (one "
+                                "prompt's answer is printed as it comes)");
   auto* tokens = app.add_option("--tokens", args.token_lists, "comma-separated token ids; repeat for a ragged batch");
   app.add_option("--max-new-tokens", args.max_new_tokens, "tokens to generate per prompt (default: up to 32, within max_len)");
   app.add_option("--top-k", args.top_k, "sample among the k most likely tokens (default: greedy)");
   app.add_option("--temperature", args.temperature, "divides the logits before top-k sampling; must be positive")
       ->capture_default_str();
   app.add_option("--seed", args.seed, "seed for top-k sampling (as torch.Generator().manual_seed)");
-  app.add_option("--eos", args.eos, "stop a sequence after this token id (default: the tokenizer's eos_id)");
+  app.add_option("--eos", args.eos,
+                 "stop a sequence after this token id (default: the demo tokenizer's eos_id, or a transformers "
+                 "model's eos_token_id)");
   app.add_option("--dump-logits", args.dump_logits,
                  "write prompt_tokens, prompt_mask, forward_logits, step_logits and generated to this safetensors file");
   app.add_flag("--rounded-logits", args.rounded_logits,
                "a bfloat16/float16 model chooses from logits rounded to its dtype (default: the head's float32 sums)");
+  app.add_flag("--tokenize", args.tokenize,
+               "print each input's token ids and text as a JSON line ({\"ids\": [...], \"text\": ...}) and exit");
   app.add_flag("--bench", args.bench, "time generation and print tokens/s");
   app.add_option("--bench-runs", args.bench_runs, "runs timed by --bench (the best is printed)")
       ->check(positive_integer)

@@ -24,13 +24,13 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 90
 
 
-def hf_config(kind: str):
+def hf_config(kind: str, vocab_size: int = VOCAB):
     """A small config of each supported model_type, with the options that set it apart."""
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+    common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=64, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     t = transformers
     if kind == "gpt2":
-        return t.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=None,
+        return t.GPT2Config(vocab_size=vocab_size, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=None,
                             eos_token_id=None)
     if kind == "llama":
         return t.LlamaConfig(**common, num_key_value_heads=2, rope_parameters={
@@ -47,10 +47,10 @@ MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2"
 
 
 def save_hf(kind: str, directory: Path, *, dtype: torch.dtype = torch.float32, sharded: bool = False,
-            seed: int = 0) -> Path:
+            seed: int = 0, vocab_size: int = VOCAB) -> Path:
     """A model of random weights (norm weights and biases random too) saved by transformers."""
     torch.manual_seed(seed)
-    model = getattr(transformers, MODEL_CLASSES[kind])(hf_config(kind))
+    model = getattr(transformers, MODEL_CLASSES[kind])(hf_config(kind, vocab_size))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:  # norms around 1, biases around 0: every tensor's placement shows

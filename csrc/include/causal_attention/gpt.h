@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -157,12 +158,15 @@ struct GenerateOptions {
   std::optional<int64_t> top_k;     // none: greedy; else top-k sampling at the temperature
   double temperature = 1.0;         // must be positive (top-k divides the logits by it)
   std::optional<int64_t> eos_id;    // a sequence stops after generating it (it is kept)
+  std::vector<int64_t> stop_ids;    // more ids that end a sequence as eos_id does (a list eos_token_id)
   int64_t pad_id = 0;               // fills the right padding of the prefill (never attended)
   std::optional<uint64_t> seed;     // top-k: a generator seeded so (torch.Generator().manual_seed)
   bool keep_logits = false;         // return every step's logits
   // A bfloat16/half model chooses from its head's float32 sums (GPTImpl::logits' float32), not from
   // logits rounded to its dtype, which make nearby logits equal (bfloat16 keeps 8 bits).
   bool float32_logits = true;
+  // Called with (sequence, token) as each token is chosen, a sequence's in order (streaming).
+  std::function<void(int64_t, int64_t)> on_token;
 };
 
 struct GenerateResult {
