@@ -14,7 +14,9 @@
 #include <map>
 #include <sstream>
 #include <stdexcept>
+#include <queue>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace causal_attention {
 
@@ -35,7 +37,8 @@ struct AddedToken {
 };
 
 // ICU's \s is [\t\n\f\r\p{Z}]; Oniguruma's (tokenizers') is Unicode White_Space, which adds \v and
-// U+0085. The patterns are rewritten to name the property, inside classes too.
+// U+0085; ICU's \h is horizontal space, Oniguruma's a hexadecimal digit. The patterns are rewritten to
+// name the properties, inside classes too.
 std::string white_space_as_oniguruma(const std::string& pattern) {
   std::string out;
   for (size_t i = 0; i < pattern.size(); ++i) {
@@ -43,6 +46,8 @@ std::string white_space_as_oniguruma(const std::string& pattern) {
       const char next = pattern[i + 1];
       if (next == 's' || next == 'S') {
         out += next == 's' ? "\\p{White_Space}" : "\\P{White_Space}";
+      } else if (next == 'h' || next == 'H') {  // Oniguruma's hexadecimal digit (ICU's is horizontal space)
+        out += next == 'h' ? "\\p{ASCII_Hex_Digit}" : "\\P{ASCII_Hex_Digit}";
       } else {
         out += pattern.substr(i, 2);
       }
@@ -92,6 +97,15 @@ bool is_word_char(UChar32 c) {
 
 bool is_space(UChar32 c) { return u_hasBinaryProperty(c, UCHAR_WHITE_SPACE); }
 
+std::string nfc_of(const std::string& text) {
+  UErrorCode status = U_ZERO_ERROR;
+  const auto* normalizer = icu::Normalizer2::getNFCInstance(status);
+  icu::UnicodeString normalized;
+  if (U_SUCCESS(status)) normalized = normalizer->normalize(icu::UnicodeString::fromUTF8(text), status);
+  if (U_FAILURE(status)) throw std::runtime_error(std::string("NFC normalization failed: ") + u_errorName(status));
+  return utf8(normalized);
+}
+
 const json& member(const json& object, const char* key, const std::string& where) {
   if (!object.is_object() || !object.contains(key)) throw FormatError(where + " lacks '" + key + "'");
   return object.at(key);
@@ -101,13 +115,15 @@ const json& member(const json& object, const char* key, const std::string& where
 
 struct BpeTokenizer::State {
   std::string source;
+  int64_t vocab_size_ = 0;  // the model's
   std::unordered_map<std::string, int64_t> vocab;
   std::unordered_map<int64_t, std::string> tokens;  // id -> token (the model's and the added ones)
   std::map<std::pair<int64_t, int64_t>, std::pair<int64_t, int64_t>> merges;  // pair -> (rank, merged id)
   bool ignore_merges = false;
   std::optional<int64_t> unk;
   std::vector<AddedToken> added;
-  std::unordered_map<int64_t, bool> added_special;  // id -> special
+  std::unordered_set<std::string> special_contents;  // the special added tokens' contents
+  bool fuse_unk = false;
   bool nfc = false;
   std::vector<Splitter> splitters;
   bool byte_level = false;  // a ByteLevel pre-tokenizer was read (the last one)
@@ -153,6 +169,7 @@ void BpeTokenizer::State::read_model(const json& model, int64_t vocab_size) {
     vocab[token] = checked_id(id, "vocab['" + token + "']", vocab_size);
     tokens[vocab[token]] = token;
   }
+  fuse_unk = model.value("fuse_unk", false);
   if (model.contains("unk_token") && model["unk_token"].is_string()) {
     const auto found = vocab.find(model["unk_token"].get<std::string>());
     if (found == vocab.end()) throw FormatError(source + ": model.unk_token is not in the vocab");
@@ -177,24 +194,46 @@ void BpeTokenizer::State::read_model(const json& model, int64_t vocab_size) {
     if (a == vocab.end() || b == vocab.end() || joined == vocab.end()) {
       throw FormatError(source + ": merge " + merge.dump() + " names tokens that are not in the vocab");
     }
-    merges.emplace(std::pair(a->second, b->second), std::pair(rank++, joined->second));
+    // A pair listed twice keeps its last rank, as tokenizers' map of merges does.
+    merges.insert_or_assign(std::pair(a->second, b->second), std::pair(rank++, joined->second));
   }
 }
 
+// As tokenizers rebuilds them when it reads the file (add_tokens, in order): a content already in the
+// vocab (or added) keeps that id; a new one takes the next id after the vocab and the added tokens. The
+// file's "id" fields are not read (tokenizers only warns where they differ). Special is by content.
 void BpeTokenizer::State::read_added(const json& list, int64_t vocab_size) {
   if (list.is_null()) return;
   if (!list.is_array()) throw FormatError(source + ": added_tokens must be a list");
+  const auto flag = [&](const json& entry, const char* key) {
+    if (!entry.contains(key)) return false;
+    if (!entry[key].is_boolean()) {
+      throw FormatError(source + ": added token " + entry.dump() + ": " + key + " must be true or false");
+    }
+    return entry[key].get<bool>();
+  };
+  const int64_t model_size = static_cast<int64_t>(vocab.size());
+  std::optional<int64_t> max_added;
   for (const auto& entry : list) {
-    AddedToken token{member(entry, "content", source + ": added token").get<std::string>(),
-                     checked_id(member(entry, "id", source + ": added token"), "added token id", vocab_size),
-                     entry.value("lstrip", false),
-                     entry.value("rstrip", false),
-                     entry.value("single_word", false),
-                     entry.value("normalized", false),
-                     entry.value("special", false)};
-    if (token.content.empty()) throw FormatError(source + ": an added token is empty");
+    const auto& content = member(entry, "content", source + ": added token");
+    if (!content.is_string() || content.get<std::string>().empty()) {
+      throw FormatError(source + ": added token " + entry.dump() + ": content must be a non-empty string");
+    }
+    AddedToken token{content.get<std::string>(), 0,
+                     flag(entry, "lstrip"), flag(entry, "rstrip"), flag(entry, "single_word"),
+                     flag(entry, "normalized"), flag(entry, "special")};
+    if (std::any_of(added.begin(), added.end(), [&](const AddedToken& t) { return t.content == token.content; })) {
+      continue;  // tokenizers adds a content once
+    }
+    if (const auto found = vocab.find(token.content); found != vocab.end()) {
+      token.id = found->second;
+    } else {
+      token.id = max_added.has_value() && *max_added >= model_size ? *max_added + 1 : model_size;
+    }
+    checked_id(json(token.id), "added token '" + token.content + "''s id", vocab_size);
+    max_added = std::max(max_added.value_or(token.id), token.id);
     tokens[token.id] = token.content;
-    added_special[token.id] = token.special;
+    if (token.special) special_contents.insert(token.content);
     added.push_back(std::move(token));
   }
 }
@@ -261,13 +300,21 @@ void BpeTokenizer::State::read_post_processor(const json& post) {
   }
   if (!template_ids.empty()) throw FormatError(source + ": two TemplateProcessing post-processors");
   const auto& specials = member(post, "special_tokens", source + ": TemplateProcessing");
-  for (const auto& piece : member(post, "single", source + ": TemplateProcessing")) {
-    if (piece.contains("Sequence")) {
+  const auto& single = member(post, "single", source + ": TemplateProcessing");
+  if (!single.is_array()) throw FormatError(source + ": TemplateProcessing.single must be a list");
+  for (const auto& piece : single) {
+    if (piece.is_object() && piece.contains("Sequence") && piece["Sequence"].value("id", "") == "A") {
       template_ids.emplace_back();  // $A
-    } else if (piece.contains("SpecialToken")) {
-      const auto name = piece["SpecialToken"].at("id").get<std::string>();
-      if (!specials.contains(name)) throw FormatError(source + ": template token '" + name + "' has no ids");
-      template_ids.push_back(specials[name].at("ids").get<std::vector<int64_t>>());
+    } else if (piece.is_object() && piece.contains("SpecialToken")) {
+      const auto name = piece["SpecialToken"].value("id", "");
+      if (!specials.contains(name) || !specials[name].contains("ids") || !specials[name]["ids"].is_array()) {
+        throw FormatError(source + ": template token '" + name + "' has no ids");
+      }
+      std::vector<int64_t> ids;
+      for (const auto& id : specials[name]["ids"]) ids.push_back(checked_id(id, "template token '" + name + "'", vocab_size_));
+      template_ids.push_back(std::move(ids));
+    } else {
+      throw FormatError(source + ": TemplateProcessing piece " + piece.dump() + " is not supported (SpecialToken, $A)");
     }
   }
 }
@@ -341,44 +388,61 @@ void BpeTokenizer::State::encode_piece(const icu::UnicodeString& piece, std::vec
     }
   }
   std::vector<int64_t> word;
+  bool last_unk = false;
   for (int32_t i = 0; i < mapped.length();) {
     const UChar32 c = mapped.char32At(i);
     const auto found = vocab.find(utf8(icu::UnicodeString(c)));
     if (found != vocab.end()) {
       word.push_back(found->second);
-    } else if (unk.has_value()) {
+      last_unk = false;
+    } else if (unk.has_value() && !(fuse_unk && last_unk)) {
       word.push_back(*unk);
+      last_unk = true;
     }  // else dropped, as tokenizers drops a character it cannot name
     i += U16_LENGTH(c);
   }
-  // The lowest-ranked adjacent pair first (the leftmost among equals), until none merges.
-  while (word.size() > 1) {
-    size_t best = word.size();
-    std::pair<int64_t, int64_t> best_merge{INT64_MAX, 0};
-    for (size_t i = 0; i + 1 < word.size(); ++i) {
-      const auto found = merges.find({word[i], word[i + 1]});
-      if (found != merges.end() && found->second.first < best_merge.first) {
-        best = i;
-        best_merge = found->second;
-      }
-    }
-    if (best == word.size()) break;
-    word[best] = best_merge.second;
-    word.erase(word.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+  // The lowest-ranked adjacent pair first (the leftmost among equals), until none merges: a heap of
+  // candidate pairs over a linked list of symbols, as tokenizers' merge_all (a long word costs n log n).
+  struct Candidate {
+    int64_t rank;
+    size_t pos;
+    bool operator>(const Candidate& other) const { return std::pair(rank, pos) > std::pair(other.rank, other.pos); }
+  };
+  const size_t n = word.size();
+  std::vector<size_t> next(n), prev(n);
+  std::vector<bool> alive(n, true);
+  for (size_t i = 0; i < n; ++i) {
+    next[i] = i + 1;
+    prev[i] = i == 0 ? n : i - 1;  // n: none
   }
-  ids.insert(ids.end(), word.begin(), word.end());
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> queue;
+  const auto consider = [&](size_t pos) {
+    if (pos >= n || next[pos] >= n) return;
+    const auto found = merges.find({word[pos], word[next[pos]]});
+    if (found != merges.end()) queue.push({found->second.first, pos});
+  };
+  for (size_t i = 0; i + 1 < n; ++i) consider(i);
+  while (!queue.empty()) {
+    const auto top = queue.top();
+    queue.pop();
+    if (!alive[top.pos] || next[top.pos] >= n) continue;
+    const auto found = merges.find({word[top.pos], word[next[top.pos]]});
+    if (found == merges.end() || found->second.first != top.rank) continue;  // stale: the pair changed
+    const size_t right = next[top.pos];
+    word[top.pos] = found->second.second;
+    alive[right] = false;
+    next[top.pos] = next[right];
+    if (next[right] < n) prev[next[right]] = top.pos;
+    if (prev[top.pos] < n) consider(prev[top.pos]);
+    consider(top.pos);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (alive[i]) ids.push_back(word[i]);
+  }
 }
 
 void BpeTokenizer::State::encode_text(const std::string& raw, std::vector<int64_t>& ids) const {
-  std::string text = raw;
-  if (nfc) {
-    UErrorCode status = U_ZERO_ERROR;
-    const auto* normalizer = icu::Normalizer2::getNFCInstance(status);
-    icu::UnicodeString normalized;
-    if (U_SUCCESS(status)) normalized = normalizer->normalize(icu::UnicodeString::fromUTF8(raw), status);
-    if (U_FAILURE(status)) throw std::runtime_error(std::string("NFC normalization failed: ") + u_errorName(status));
-    text = utf8(normalized);
-  }
+  const std::string text = nfc ? nfc_of(raw) : raw;
   for (const auto& [id, part] : split_added(text, /*normalized=*/true)) {
     if (id.has_value()) {
       ids.push_back(*id);
@@ -427,11 +491,21 @@ BpeTokenizer BpeTokenizer::load(const std::filesystem::path& path, int64_t vocab
   const json values = json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
   auto state = std::make_unique<State>();
   state->source = path.string();
+  state->vocab_size_ = vocab_size;
   if (values.is_discarded() || !values.is_object()) throw FormatError(state->source + ": not a well-formed JSON object");
   try {
     state->read_model(member(values, "model", state->source), vocab_size);
     state->read_added(values.value("added_tokens", json()), vocab_size);
     state->read_normalizer(values.value("normalizer", json()));
+    // Normalized tokens match the normalized text: tokenizers keeps their content normalized (it is
+    // also what they decode to).
+    for (auto& token : state->added) {
+      if (!token.normalized || !state->nfc) continue;
+      const bool special = state->special_contents.erase(token.content) > 0;
+      token.content = nfc_of(token.content);
+      state->tokens[token.id] = token.content;
+      if (special) state->special_contents.insert(token.content);
+    }
     state->read_pre_tokenizer(values.value("pre_tokenizer", json()));
     if (!state->byte_level) throw FormatError(state->source + ": a byte-level BPE needs a ByteLevel pre-tokenizer");
     state->read_post_processor(values.value("post_processor", json()));
@@ -474,8 +548,7 @@ std::string BpeTokenizer::decode(const std::vector<int64_t>& ids, bool skip_spec
   for (const auto id : ids) {
     const auto token = state_->tokens.find(id);
     if (token == state_->tokens.end()) continue;  // no token (the model's padding rows): nothing, as tokenizers
-    const auto special = state_->added_special.find(id);
-    if (skip_special_tokens && special != state_->added_special.end() && special->second) continue;
+    if (skip_special_tokens && state_->special_contents.count(token->second)) continue;
     // Each token's characters back to their bytes; a token with a character outside the byte map
     // (an added token's text) stays as it is.
     const auto chars = icu::UnicodeString::fromUTF8(token->second);

@@ -201,3 +201,53 @@ def test_unsupported_tokenizers_are_named(tmp_path: Path) -> None:
     data["model"]["vocab"]["Ġbig"] = 700
     (directory / "tokenizer.json").write_text(json.dumps(data))
     expect_error("--model", str(directory), "--prompt", "a", contains=["vocab['Ġbig'] = 700 is outside the model's"])
+
+
+def tiny_bpe(merges: list[tuple[str, str]], *, unk: bool = False, fuse_unk: bool = False) -> Tokenizer:
+    """A byte-level BPE over ASCII letters and space only (other bytes have no token), with these merges."""
+    alphabet = [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["Ġ"]
+    vocab = {c: i for i, c in enumerate(alphabet + (["<unk>"] if unk else []))}
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>" if unk else None, fuse_unk=fuse_unk))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def same_as_tokenizers(tok: Tokenizer, directory: Path, texts: list[str]) -> None:
+    tok.save(str(directory / "tokenizer.json"))
+    lines = tokenized(directory, *sum((["--prompt", t] for t in texts), []))
+    for text, line in zip(texts, lines):
+        assert line["ids"] == tok.encode(text).ids, repr(text)
+        assert line["text"] == tok.decode(line["ids"]), repr(text)
+
+
+def test_edge_rules_equal_tokenizers(tmp_path: Path) -> None:
+    """Rules of tokenizers that its files rarely exercise: duplicate merges keep their last rank,
+    fuse_unk joins runs of unknown characters, added tokens take the ids tokenizers gives them (not
+    the file's), normalized added tokens match the normalized text, and a long word merges in
+    n log n (a 64000-character word)."""
+    directory = save_hf("llama", tmp_path / "hf", vocab_size=700)
+    same_as_tokenizers(tiny_bpe([("b", "c"), ("a", "b"), ("ab", "c"), ("b", "c")]), directory, ["abc", "abcbc", "cab"])
+    same_as_tokenizers(tiny_bpe([("a", "b")], unk=True, fuse_unk=True), directory, ["é é x ©©", "abé©x", "ÿÿÿ ab"])
+    same_as_tokenizers(tiny_bpe([("a", "b")], unk=True), directory, ["é é x ©©"])
+    same_as_tokenizers(tiny_bpe([("t", "h"), ("th", "e"), ("a", "b")]), directory, ["abab" * 16000])
+
+    data = json.loads(trained("gpt2").to_str())
+    vocab = data["model"]["vocab"]
+    data["added_tokens"] += [
+        {"id": 650, "content": "<x>", "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": False},
+        {"id": 640, "content": "the", "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": True}]
+    assert "the" in vocab
+    tok = Tokenizer.from_str(json.dumps(data))
+    same_as_tokenizers(tok, directory, ["a<x>b the other", "the<x>"])
+    assert tok.encode("<x>").ids != [650]  # the rule above is tokenizers', not the file's
+    lines = tokenized(directory, "--tokens", f"{vocab['the']},{tok.token_to_id('<x>')},{vocab['Ġthe']}")
+    assert lines[0]["text"] == tok.decode([vocab["the"], tok.token_to_id("<x>"), vocab["Ġthe"]])
+
+    nfc = trained("qwen2")
+    nfc.add_tokens([AddedToken("cafe\u0301", normalized=True)])
+    same_as_tokenizers(nfc, directory, ["un café", "un cafe\u0301 ici", "café"])
