@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <optional>
@@ -40,6 +41,11 @@ class HfConfig {
   int64_t integer(const char* key, std::optional<int64_t> fallback = std::nullopt) const {
     if (!has(key)) return required(key, fallback);
     const auto& value = values_.at(key);
+    // A whole number written as a float (32.0) is read as Python's int() reads it.
+    if (value.is_number_float() && std::isfinite(value.get<double>()) && value.get<double>() == std::trunc(value.get<double>()) &&
+        std::abs(value.get<double>()) < 9.0e18) {
+      return static_cast<int64_t>(value.get<double>());
+    }
     if (!value.is_number_integer() || (value.is_number_unsigned() && value.get<uint64_t>() > INT64_MAX)) {
       throw FormatError(concat(source_, ": ", key, " must be an int; got ", value.dump()));
     }
@@ -169,7 +175,8 @@ GPTConfig llama_config(const HfConfig& hf, const std::string& model_type) {
   GPTConfig c;
   c.dim = hf.integer("hidden_size");
   c.n_heads = hf.integer("num_attention_heads");
-  const int64_t kv_heads = hf.integer("num_key_value_heads", c.n_heads);
+  // As convert_llama.py's `num_key_value_heads or heads`: 0 and null mean multi-head.
+  const int64_t kv_heads = hf.integer("num_key_value_heads", 0) == 0 ? c.n_heads : hf.integer("num_key_value_heads");
   if (c.n_heads <= 0 || c.dim % c.n_heads != 0) {
     unsupported(hf, concat("num_attention_heads=", c.n_heads, " does not divide hidden_size=", c.dim));
   }
@@ -412,11 +419,13 @@ void for_each_tensor(const Layout& layout, int64_t n_layers, const Naming& namin
 }
 
 // Checks the headers against config (convert.py's order: dtypes, missing, the tied head,
-// unexpected, shapes); returns the model's dtype.
+// unexpected, shapes); returns the model's dtype: the tensors' one floating dtype, float32 where they
+// mix several (as convert.py's _model_like).
 at::ScalarType check_headers(const GPTConfig& config, const Naming& naming, const Shards& shards,
                              const std::string& config_source) {
   const auto& source = shards.source();
   std::optional<std::pair<std::string, at::ScalarType>> first;
+  bool mixed = false;  // floating dtypes of more than one kind: the model is built in float32, as in Python
   for (const auto& [name, _] : shards.names()) {
     if (naming.is_buffer(name)) continue;
     const auto dtype = shards.entry(name).dtype;
@@ -425,11 +434,7 @@ at::ScalarType check_headers(const GPTConfig& config, const Naming& naming, cons
                                "; expected a floating dtype (F64, F32, F16 or BF16)"));
     }
     if (!first.has_value()) first.emplace(name, dtype);
-    if (dtype != first->second) {
-      throw FormatError(concat(source, ": tensors of different dtypes: '", first->first, "' is ",
-                               safetensors_dtype_name(first->second), ", '", name, "' is ",
-                               safetensors_dtype_name(dtype), " (every tensor must share one floating dtype)"));
-    }
+    mixed = mixed || dtype != first->second;
   }
   const auto layout = parameter_layout(config);
   for (const auto* part : {&layout.before, &layout.block, &layout.after}) {
@@ -452,7 +457,7 @@ at::ScalarType check_headers(const GPTConfig& config, const Naming& naming, cons
     return missing.size() < 9;
   });
   if (!missing.empty()) {
-    const auto dtype = first.has_value() ? first->second : at::kFloat;
+    const auto dtype = first.has_value() && !mixed ? first->second : at::kFloat;
     Count all;  // the parameters of the whole model, counted from the layout
     Count block;
     for (const auto& t : layout.block) block.add(static_cast<uint64_t>(numel(t.shape)));
@@ -491,7 +496,7 @@ at::ScalarType check_headers(const GPTConfig& config, const Naming& naming, cons
     }
     return true;
   });
-  return first.has_value() ? first->second : at::kFloat;
+  return first.has_value() && !mixed ? first->second : at::kFloat;
 }
 
 // Older GPT-2 checkpoints hold the causal mask as buffers: it must be the causal mask.
@@ -566,8 +571,9 @@ GPT load_huggingface(const std::filesystem::path& directory, const std::string& 
     int64_t row = 0;
     for (const auto& part : naming.parts(param.key(), shape)) {
       const auto rows = target.narrow(0, row, part.rows);
-      if (part.transposed) {
-        rows.copy_(shards.file(part.name).read(part.name).t());
+      if (part.transposed || shards.entry(part.name).dtype != rows.scalar_type()) {  // copied, widened
+        const auto value = shards.file(part.name).read(part.name);
+        rows.copy_(part.transposed ? value.t() : value);
       } else {
         shards.file(part.name).read_into(part.name, rows);
       }
@@ -575,7 +581,8 @@ GPT load_huggingface(const std::filesystem::path& directory, const std::string& 
     }
   }
   if (config.tie_head && shards.contains("lm_head.weight")) {
-    if (!at::equal(shards.file("lm_head.weight").read("lm_head.weight"), model->tok->weight)) {
+    const auto head = shards.file("lm_head.weight").read("lm_head.weight").to(model->tok->weight.scalar_type());
+    if (!at::equal(head, model->tok->weight)) {
       throw FormatError(concat(shards.source(), ": 'lm_head.weight' differs from the token embedding (",
                                naming.parts("tok.weight", {1}).front().name, ") but the head is tied"));
     }

@@ -169,6 +169,21 @@ def test_unsupported_options_are_named(llama_dir: Path, changes: dict, pieces: l
     expect(llama_dir, "config.json", *pieces)
 
 
+def test_config_values_read_as_python_reads_them(tmp_path: Path) -> None:
+    """Whole numbers written as floats and num_key_value_heads 0 (multi-head), as convert_llama.py reads them."""
+    config = hf_config("mistral")
+    config.num_key_value_heads = config.num_attention_heads
+    torch.manual_seed(2)
+    transformers.MistralForCausalLM(config).save_pretrained(str(tmp_path))
+    edit_config(tmp_path, num_key_value_heads=0, hidden_size=32.0, sliding_window=5.0)
+    model = from_huggingface(tmp_path).eval()
+    assert model.config.kv_heads == 4 and model.config.dim == 32 and model.config.sliding_window == 5
+    assert lines_of(run("--model", str(tmp_path), "--max-new-tokens", "4", *token_args(PROMPTS))) == \
+        model.generate(PROMPTS, 4)
+    edit_config(tmp_path, hidden_size=32.5)
+    expect(tmp_path, "hidden_size must be an int; got 32.5")
+
+
 def test_qwen2_windows_and_gpt2_options_are_named(tmp_path: Path) -> None:
     qwen = save_hf("qwen2", tmp_path / "qwen")
     edit_config(qwen, use_sliding_window=True, max_window_layers=1, sliding_window=4)
@@ -215,8 +230,14 @@ def test_shard_and_index_errors(llama_dir: Path) -> None:
     expect(llama_dir, f"tensor '{name}' has shape (4, 32); the model", "expects (16, 32)")
     save_file(original, str(shard))
 
-    rewrite(shard, lambda t: t.update({name: t[name].double()}))
-    expect(llama_dir, "tensors of different dtypes", "F64")
+    # Mixed floating dtypes: a float32 model, as Python's from_huggingface builds it.
+    rewrite(shard, lambda t: t.update({name: t[name].bfloat16()}))
+    mixed = from_huggingface(llama_dir)
+    assert mixed.tok.weight.dtype == torch.float32
+    assert lines_of(run("--model", str(llama_dir), "--max-new-tokens", "5", *token_args(PROMPTS))) == \
+        mixed.generate(PROMPTS, 5)
+    rewrite(shard, lambda t: t.update({name: t[name].to(torch.int32)}))
+    expect(llama_dir, f"tensor '{name}' has dtype I32; expected a floating dtype")
     save_file(original, str(shard))
 
     extra = "model.layers.1.self_attn.extra.weight"
