@@ -316,24 +316,40 @@ void dump_logits(const std::string& path, causal_attention::GPT& model,
                                             {"generated", generated}});
 }
 
-// --bench: the best of `runs` generations in tokens per second.
+// --bench: the best of `runs` generations in tokens per second, and the prefill (the prompts' tokens
+// up to the first chosen token) and the decode steps after it, each in its own tokens per second.
 void bench(causal_attention::GPT& model, const std::vector<std::vector<int64_t>>& prompts,
            causal_attention::GenerateOptions options, int runs) {
+  using Clock = std::chrono::steady_clock;
   options.keep_logits = false;
-  double best = 0.0;
-  int64_t count = 0;
+  int64_t prompt_tokens = 0;
+  for (const auto& p : prompts) prompt_tokens += static_cast<int64_t>(p.size());
+  double best = 0.0, best_prefill = 0.0, best_decode = 0.0;
+  int64_t count = 0, decoded = 0;
   for (int run = 0; run < runs; ++run) {
-    const auto start = std::chrono::steady_clock::now();
+    const auto start = Clock::now();
+    std::optional<Clock::time_point> first;  // the first token chosen: the prefill is done
+    options.on_token = [&](int64_t, int64_t) {
+      if (!first) first = Clock::now();
+    };
     const auto out = model->generate(prompts, options);
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const auto end = Clock::now();
+    const auto seconds = [](Clock::time_point a, Clock::time_point b) {
+      return std::chrono::duration<double>(b - a).count();
+    };
     count = 0;
     for (const auto& t : out.tokens) count += static_cast<int64_t>(t.size());
-    best = std::max(best, static_cast<double>(count) / seconds);
+    decoded = count - static_cast<int64_t>(prompts.size());  // the tokens of the steps after the first
+    best = std::max(best, static_cast<double>(count) / seconds(start, end));
+    best_prefill = std::max(best_prefill, static_cast<double>(prompt_tokens) / seconds(start, *first));
+    if (decoded > 0) best_decode = std::max(best_decode, static_cast<double>(decoded) / seconds(*first, end));
   }
   const int threads = at::get_num_threads();
   std::cout << "bench: " << count << " tokens for " << prompts.size() << " prompt(s), best of " << runs
             << (runs == 1 ? " run: " : " runs: ") << std::fixed << std::setprecision(1) << best << " tokens/s ("
             << threads << (threads == 1 ? " thread)\n" : " threads)\n");
+  std::cout << "bench: prefill " << prompt_tokens << " tokens: " << best_prefill << " tokens/s; decode " << decoded
+            << " tokens: " << best_decode << " tokens/s\n";
 }
 
 int run(const Arguments& args) {
@@ -348,7 +364,10 @@ int run(const Arguments& args) {
   // The tokenizer encodes --prompt and, for the demo's files, gives --prompt and --tokens alike their
   // default EOS; a transformers directory names its own.
   const auto tokenizer = Tokenizer::load(directory, config.vocab_size, !args.prompts.empty() || args.tokenize);
-  const auto model_eos = transformers_eos_ids(directory, config.vocab_size);
+  // Read only where it decides: --eos and the demo's tokenizer come first.
+  const auto model_eos = args.eos.has_value() || (tokenizer && tokenizer->eos_id())
+                             ? std::vector<int64_t>{}
+                             : transformers_eos_ids(directory, config.vocab_size);
   std::vector<std::vector<int64_t>> prompts;
   for (const auto& input : args.inputs) {
     prompts.push_back(input.text ? tokenizer->encode(input.value) : parse_token_list(input.value));

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -223,9 +224,13 @@ def test_top_k_sampling_with_a_seed_equals_python(tmp_path: Path) -> None:
 def test_bench_prints_tokens_per_second(demo_dir: tuple[GPT, Path]) -> None:
     _, directory = demo_dir
     out = run("--model", str(directory), "--prompt", "12345", "--bench", "--bench-runs", "2").stdout
-    assert "tokens/s" in out.splitlines()[-1] and "best of 2 runs" in out
-    out = run("--model", str(directory), "--prompt", "12345", "--bench", "--bench-runs", "1", "--threads", "1").stdout
-    assert out.splitlines()[-1].endswith(" tokens/s (1 thread)") and "best of 1 run:" in out
+    assert "tokens/s" in out.splitlines()[-2] and "best of 2 runs" in out
+    out = run("--model", str(directory), "--prompt", "12345", "--bench", "--bench-runs", "1", "--threads", "1",
+              "--max-new-tokens", "6", "--eos", "99").stdout
+    assert out.splitlines()[-2].endswith(" tokens/s (1 thread)") and "best of 1 run:" in out
+    # The prompt (BOS, 5 digits, SEP) prefilled, then 5 decode steps after the first token.
+    assert re.fullmatch(r"bench: prefill 7 tokens: [0-9.]+ tokens/s; decode 5 tokens: [0-9.]+ tokens/s",
+                        out.splitlines()[-1]), out
 
 
 def with_tokenizer(model: GPT, directory: Path, **ids: int) -> Path:
