@@ -1,5 +1,5 @@
 """The causal_attention commands: python -m causal_attention {check, bench, bench-transformers,
-bench-deploy, bench-half, demo, convert} (--help after a command for its options)."""
+bench-deploy, bench-half, bench-llama-cpp, demo, convert} (--help after a command for its options)."""
 
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         return commands.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter)
 
     adders = {"check": _add_check, "bench": _add_bench, "bench-transformers": _add_bench_transformers,
-              "bench-deploy": _add_bench_deploy, "bench-half": _add_bench_half, "demo": _add_demo,
-              "convert": _add_convert}
+              "bench-deploy": _add_bench_deploy, "bench-half": _add_bench_half,
+              "bench-llama-cpp": _add_bench_llama_cpp, "demo": _add_demo, "convert": _add_convert}
     return parser, {name: add(command) for name, add in adders.items()}
 
 
@@ -151,6 +151,20 @@ def _add_bench_half(command: _Command) -> argparse.ArgumentParser:
     return bench_half
 
 
+def _add_bench_llama_cpp(command: _Command) -> argparse.ArgumentParser:
+    bench = command("bench-llama-cpp", help="causal-attention-generate against llama.cpp (built from the "
+                    "llama-cpp-python sdist, needs PyPI) on a Llama-shaped model: prefill 512 and decode 128 at "
+                    "batch 1 and 4, float32 / float16 / bfloat16, tokens/s and ratios, with a plot")
+    bench.add_argument("--work", type=Path, default=Path("bench_out/llama_cpp_work"),
+                       help="where llama.cpp is built and the models are kept (reused by later runs)")
+    bench.add_argument("--out", type=Path, default=Path("bench_out"),
+                       help="where to write bench_llama_cpp.json and bench_llama_cpp.png")
+    bench.add_argument("--runs", type=_positive, default=3, help="runs per side, alternately (the best is kept)")
+    bench.add_argument("--dtypes", nargs="+", choices=("f32", "f16", "bf16"), default=["f32", "f16", "bf16"])
+    bench.add_argument("--quick", action="store_true", help="a tiny model (a smoke test)")
+    return bench
+
+
 def _add_demo(command: _Command) -> argparse.ArgumentParser:
     demo = command("demo", help="train a tiny GPT on digit reversal, then generate with the KV cache")
     demo.add_argument("--steps", type=_positive, default=1500, help="training steps")
@@ -189,8 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     runners = {"check": _run_check, "bench": _run_bench, "bench-transformers": _run_bench_transformers,
-               "bench-deploy": _run_bench_deploy, "bench-half": _run_bench_half, "demo": _run_demo,
-               "convert": _run_convert}
+               "bench-deploy": _run_bench_deploy, "bench-half": _run_bench_half,
+               "bench-llama-cpp": _run_bench_llama_cpp, "demo": _run_demo, "convert": _run_convert}
     runners[args.command](args, parsers[args.command])
 
 
@@ -239,6 +253,13 @@ def _run_bench_half(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     from .bench import half as bench_half
 
     bench_half.main(out_dir=args.out, repeats=args.repeats, quick=args.quick)
+
+
+def _run_bench_llama_cpp(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from .bench import llama_cpp
+
+    llama_cpp.main(work=args.work, out_dir=args.out, runs=args.runs, threads=torch.get_num_threads(),
+                   quick=args.quick, dtypes=tuple(args.dtypes))
 
 
 def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
