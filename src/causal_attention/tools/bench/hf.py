@@ -30,7 +30,9 @@ Sections:
 - ``Llama``: a Llama-shaped model of 2 layers (hidden 2048, 32 heads over 8 key/value heads,
   intermediate 5632, vocabulary 32000, random weights) with the engine against sdpa on the same weights:
   a right-padded prefill (B=4, T=1024, lengths 1024, 900, 700, 512, the logits of the last position)
-  and ``generate`` of 64 greedy tokens after 512-token prompts left-padded to lengths 512, 450, 350, 256.
+  and ``generate`` of 64 greedy tokens after 512-token prompts left-padded to lengths 512, 450, 350, 256;
+  and the Python GPT (from_huggingface, the same weights) generating the same tokens from the same prompts
+  (ragged, no padding) against transformers' sdpa generate.
 
 ``quick`` uses a tiny config and T=64 (a smoke test, not a measurement).
 """
@@ -49,6 +51,7 @@ from rich.progress import Progress
 from torch import Tensor
 
 from ...integrations import huggingface
+from ...models.convert import from_huggingface
 from .report import Row, interleaved_medians, plot_rows, print_rows
 
 BF16_BUDGET_S = 60.0  # one bfloat16 forward slower than this skips the bfloat16 rows
@@ -243,6 +246,10 @@ def llama_rows(*, dtype: torch.dtype, repeats: int, quick: bool, progress: Progr
     for impl, model in models.items():
         fns[f"prefill {impl}"] = lambda m=model: m(ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
         fns[f"generate {impl}"] = lambda m=model: m.generate(prompts, **options)
+    # The Python GPT on the same weights (from_huggingface), its ragged prompts without padding.
+    gpt = from_huggingface(models["sdpa"])
+    prompt_lists = [row[m].tolist() for row, m in zip(prompts, prompt_mask)]
+    fns["generate GPT"] = lambda: gpt.generate(prompt_lists, new_tokens)
     dt = str(dtype).replace("torch.", "")
     times = _timed(fns, repeats, progress, f"Llama {dt}")
     section = (f"Llama 2 layers hidden {config.hidden_size} heads {config.num_attention_heads}/"
@@ -250,7 +257,9 @@ def llama_rows(*, dtype: torch.dtype, repeats: int, quick: bool, progress: Progr
     return (_rows(section + f" prefill B={shape['B']} T={shape['T']}", times, f"prefill {name}",
                   {"prefill sdpa": "prefill vs sdpa"})
             + _rows(section + f" generate {new_tokens} after {prompt}-token prompts", times, f"generate {name}",
-                    {"generate sdpa": "generate vs sdpa"}))
+                    {"generate sdpa": "generate vs sdpa"})
+            + _rows(section + f" Python GPT generate {new_tokens} after {prompt}-token prompts", times, "generate GPT",
+                    {"generate sdpa": "GPT.generate vs transformers sdpa"}))
 
 
 DECODE_FULL = dict(B=8, context=2048, H=32, Hkv=8, hd=64)
