@@ -604,20 +604,27 @@ at::Tensor BlockImpl::forward(const at::Tensor& x, const std::optional<at::Tenso
   return h + mlp_of(ln2->forward(h), true);
 }
 
-GPTImpl::GPTImpl(GPTConfig config) : config_(std::move(config)) {
+GPTImpl::GPTImpl(GPTConfig config, std::optional<at::ScalarType> dtype) : config_(std::move(config)) {
   config_.validate();
-  tok = register_module("tok", torch::nn::Embedding(config_.vocab_size, config_.dim));
+  // With dtype, each module takes it as soon as it is built: a float32 twin of one module at a time.
+  const auto in_dtype = [&](auto module) {
+    if (dtype.has_value()) module->to(*dtype);
+    return module;
+  };
+  tok = register_module("tok", in_dtype(torch::nn::Embedding(config_.vocab_size, config_.dim)));
   if (config_.positions == "learned") {
-    pos = register_module("pos", torch::nn::Embedding(config_.max_len, config_.dim));
+    pos = register_module("pos", in_dtype(torch::nn::Embedding(config_.max_len, config_.dim)));
   } else {
     inv_freq_ = inverse_frequencies(config_);
   }
   drop = register_module("drop", torch::nn::Dropout(config_.embd_dropout));
   blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < config_.n_layers; ++i) blocks->push_back(Block(config_));
-  ln_f = register_module("ln_f", LayerNorm(config_.dim, config_.layer_norm_eps, config_.bias, config_.norm == "rmsnorm"));
+  for (int64_t i = 0; i < config_.n_layers; ++i) blocks->push_back(in_dtype(Block(config_)));
+  ln_f = register_module("ln_f", in_dtype(LayerNorm(config_.dim, config_.layer_norm_eps, config_.bias,
+                                                    config_.norm == "rmsnorm")));
   if (!config_.tie_head) {
-    head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(config_.dim, config_.vocab_size).bias(false)));
+    head = register_module(
+        "head", in_dtype(torch::nn::Linear(torch::nn::LinearOptions(config_.dim, config_.vocab_size).bias(false))));
   }
   torch::NoGradGuard no_grad;
   torch::nn::init::normal_(tok->weight, 0.0, 0.02);

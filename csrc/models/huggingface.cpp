@@ -562,8 +562,7 @@ GPT load_huggingface(const std::filesystem::path& directory, const std::string& 
   const auto dtype = check_headers(config, naming, shards, config_source);
   if (!llama) check_mask_buffers(naming, shards);
 
-  GPT model(config);
-  model->to(dtype);
+  GPT model(config, dtype);
   torch::NoGradGuard no_grad;
   for (auto& param : model->named_parameters()) {
     const auto& target = param.value();  // contiguous: each part is read straight into its rows

@@ -196,6 +196,20 @@ TEST(GPTConfig, LlamaOptionsRoundTripAndChecks) {
   EXPECT_EQ(model->named_parameters()["blocks.0.attn.qkv.weight"].sizes(), torch::IntArrayRef({(4 + 2 * 2) * 4, 16}));
 }
 
+// GPT(config, dtype): every parameter in dtype, the same names and shapes as GPT(config)->to(dtype).
+TEST(GPT, BuiltInADtype) {
+  auto config = small_config(false, false);
+  GPT half(config, torch::kBFloat16);
+  GPT plain(config);
+  plain->to(torch::kBFloat16);
+  const auto want = plain->named_parameters();
+  ASSERT_EQ(half->named_parameters().size(), want.size());
+  for (const auto& p : half->named_parameters()) {
+    EXPECT_EQ(p.value().scalar_type(), torch::kBFloat16) << p.key();
+    EXPECT_EQ(p.value().sizes(), want[p.key()].sizes()) << p.key();
+  }
+}
+
 TEST(GPT, ParameterNamesAreThePythonOnes) {
   GPT untied(small_config(true, false));
   const auto names = untied->named_parameters().keys();

@@ -132,6 +132,20 @@ def test_save_pretrained_directories_are_read_as_they_are(shard: str | None, tmp
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), reference.state_dict().values()))
 
 
+def test_half_checkpoints_are_read_in_their_dtype(tmp_path: Path) -> None:
+    """A bfloat16 directory gives a bfloat16 GPT holding its tensors exactly (GPT.empty: no float32 twin)."""
+    hf = hf_model("llama").to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    ours = from_huggingface(tmp_path)
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    theirs = to_huggingface_state_dict(ours)
+    assert all(torch.equal(theirs[k], v) for k, v in hf.state_dict().items() if k in theirs)
+    empty = GPT.empty(ours.config, dtype=torch.float16)
+    assert {p.dtype for p in empty.parameters()} == {torch.float16}
+    assert {p.device.type for p in empty.parameters()} == {"cpu"}
+    assert [(k, v.shape) for k, v in empty.state_dict().items()] == [(k, v.shape) for k, v in ours.state_dict().items()]
+
+
 def test_our_files_round_trip_a_llama_family_model(tmp_path: Path) -> None:
     ours = from_huggingface(hf_model("mistral"))
     ours.save(tmp_path)

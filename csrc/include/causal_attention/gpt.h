@@ -176,7 +176,9 @@ struct GenerateResult {
 
 class GPTImpl : public torch::nn::Module {
  public:
-  explicit GPTImpl(GPTConfig config);
+  // dtype: the parameters' (none: float32), each module converted as it is built, so that a loader
+  // of a half model never holds the whole model in float32 (initial values are drawn in float32).
+  explicit GPTImpl(GPTConfig config, std::optional<at::ScalarType> dtype = std::nullopt);
 
   // tokens (B, T) int64/int32, key_padding_mask (B, T) bool or 0/1 (True = real) -> logits (B, T, V),
   // zero at padding positions (as the Python forward).

@@ -32,10 +32,10 @@ from .gpt import GPT
 
 
 def _model_like(config: GPTConfig, state: Mapping[str, Tensor]) -> GPT:
-    """A GPT for config in the dtype of the checkpoint's weights (float32 if mixed)."""
+    """An empty GPT for config in the dtype of the checkpoint's weights (float32 if mixed)."""
     dtypes = {t.dtype for t in state.values() if isinstance(t, Tensor) and t.is_floating_point()}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    return GPT(config).to(dtype)
+    return GPT.empty(config, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------

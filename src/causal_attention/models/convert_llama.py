@@ -171,8 +171,8 @@ def from_huggingface_llama(state: Mapping[str, Tensor], config: GPTConfig, sourc
     ours: dict[str, Tensor] = {}
     origin: dict[str, tuple[str, bool]] = {}
     used: set[str] = set()
-    model = GPT(config)
-    expected = model.state_dict()
+    with torch.device("meta"):  # the shapes only
+        expected = GPT(config).state_dict()
     for mine, theirs in _pairs(config):
         missing = [k for k in theirs if k not in state]
         if missing:
@@ -205,7 +205,7 @@ def from_huggingface_llama(state: Mapping[str, Tensor], config: GPTConfig, sourc
     if unexpected:
         raise CheckpointError(f"{source}: unexpected tensor(s) {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
     dtypes = {t.dtype for t in ours.values() if t.is_floating_point()}
-    model = model.to(dtypes.pop() if len(dtypes) == 1 else torch.float32)
+    model = GPT.empty(config, dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32)
     return load_strict(model, ours, source=source, origin=origin)  # type: ignore[return-value]
 
 

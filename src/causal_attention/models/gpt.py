@@ -456,6 +456,14 @@ class GPT(nn.Module):
         """A model from save()'s directory: every tensor checked against the config (errors name it)."""
         return checkpoint.load(Path(directory), cls)
 
+    @classmethod
+    def empty(cls, config: GPTConfig, *, dtype: torch.dtype = torch.float32) -> GPT:
+        """GPT(config) in dtype with uninitialised parameters, for a loader that fills every one: built
+        on the meta device, then given CPU memory in dtype (no float32 twin of a half model, no init)."""
+        with torch.device("meta"):
+            model = cls(config)
+        return model.to(dtype).to_empty(device="cpu")
+
 
 class _Picks:
     """generate's choice of each next token (greedy, or top-k sampling) and the tokens chosen so
