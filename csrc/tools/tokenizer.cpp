@@ -361,6 +361,7 @@ std::vector<std::pair<std::optional<int64_t>, std::string>> BpeTokenizer::State:
         continue;
       }
     }
+    const size_t match_end = stop;
     if (best->lstrip) {
       while (start > done && is_space(char_before(start).first)) start = char_before(start).second;
     }
@@ -369,7 +370,10 @@ std::vector<std::pair<std::optional<int64_t>, std::string>> BpeTokenizer::State:
     }
     if (start > done) out.emplace_back(std::nullopt, text.substr(done, start - done));
     out.emplace_back(best->id, text.substr(start, stop - start));
-    done = at = stop;
+    // The search goes on from the match's end, inside what rstrip took too (tokenizers' match
+    // iterator does not know of it): a token there is still matched.
+    done = stop;
+    at = match_end;
   }
   if (done < text.size()) out.emplace_back(std::nullopt, text.substr(done));
   return out;

@@ -248,6 +248,10 @@ def test_edge_rules_equal_tokenizers(tmp_path: Path) -> None:
     lines = tokenized(directory, "--tokens", f"{vocab['the']},{tok.token_to_id('<x>')},{vocab['Ġthe']}")
     assert lines[0]["text"] == tok.decode([vocab["the"], tok.token_to_id("<x>"), vocab["Ġthe"]])
 
+    rstrip = trained("gpt2")
+    rstrip.add_tokens([AddedToken("X", rstrip=True, normalized=False), AddedToken(" Y", normalized=False)])
+    same_as_tokenizers(rstrip, directory, ["X Y", "X  Y Z", "aX   b", "X Y X"])
+
     nfc = trained("qwen2")
     nfc.add_tokens([AddedToken("cafe\u0301", normalized=True)])
     same_as_tokenizers(nfc, directory, ["un café", "un cafe\u0301 ici", "café"])
