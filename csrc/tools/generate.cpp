@@ -173,9 +173,16 @@ std::vector<int64_t> transformers_eos_ids(const std::filesystem::path& directory
     const auto& eos = values["eos_token_id"];
     std::vector<int64_t> ids;
     for (const auto& id : eos.is_array() ? eos : nlohmann::json::array({eos})) {
-      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab_size) {
-        throw FormatError((directory / name).string() + ": eos_token_id " + eos.dump() +
-                          " must be ids of the model's vocabulary 0.." + std::to_string(vocab_size - 1));
+      if (!id.is_number_integer()) {
+        throw FormatError((directory / name).string() + ": eos_token_id must be an int or a list of ints; got " +
+                          eos.dump());
+      }
+      // An id outside the vocabulary is never generated: leaving it out changes nothing (transformers
+      // only warns of it too).
+      if (id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab_size) {
+        std::cerr << "causal-attention-generate: note: " << (directory / name).string() << ": eos_token_id "
+                  << id.dump() << " is outside the model's vocabulary 0.." << vocab_size - 1 << " (never generated)\n";
+        continue;
       }
       ids.push_back(id.get<int64_t>());
     }

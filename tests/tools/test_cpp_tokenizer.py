@@ -184,6 +184,13 @@ def test_generation_stops_at_the_models_eos_ids(tmp_path: Path) -> None:
     assert out.stdout.strip() == ",".join(map(str, free[: free.index(stop) + 1]))
     assert run("--model", str(directory), "--max-new-tokens", "8", "--eos", "89", "--tokens", "1,2,3").stdout.strip() \
         == ",".join(map(str, free))
+    # An id no token has is never generated: left out with a note (transformers warns of it too).
+    (directory / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [50256, stop]}))
+    out = run("--model", str(directory), "--max-new-tokens", "8", "--tokens", "1,2,3")
+    assert out.stdout.strip() == ",".join(map(str, free[: free.index(stop) + 1]))
+    assert "eos_token_id 50256 is outside the model's vocabulary" in out.stderr
+    (directory / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": "2"}))
+    expect_error("--model", str(directory), "--tokens", "1,2,3", contains=["eos_token_id must be an int"])
 
 
 def test_unsupported_tokenizers_are_named(tmp_path: Path) -> None:
