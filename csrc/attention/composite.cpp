@@ -7,8 +7,6 @@
 
 namespace causal_attention::kernels {
 
-namespace {
-// qkv (B, T, (H + 2 Hkv) * hd) -> q (B, H, T, hd), k and v (B, Hkv, T, hd), by views.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> split_heads(const at::Tensor& qkv, int64_t n_heads, int64_t n_kv_heads) {
   check_qkv(qkv, n_heads, n_kv_heads);
   const int64_t hd = qkv.size(2) / (n_heads + 2 * n_kv_heads);
@@ -16,7 +14,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> split_heads(const at::Tensor& qkv
   return {parts[0].unflatten(2, {n_heads, hd}).transpose(1, 2), parts[1].unflatten(2, {n_kv_heads, hd}).transpose(1, 2),
           parts[2].unflatten(2, {n_kv_heads, hd}).transpose(1, 2)};
 }
-}  // namespace
 
 at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
                                int64_t n_heads, double dropout_p, std::optional<int64_t> n_kv_heads_in) {
@@ -57,7 +54,7 @@ namespace causal_attention::kernels {
 
 at::Tensor attention_math(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask, int64_t n_heads,
                           double dropout_p, const std::optional<at::Tensor>& keep,
-                          std::optional<int64_t> n_kv_heads_in) {
+                          std::optional<int64_t> n_kv_heads_in, std::optional<int64_t> window) {
   check_dropout(dropout_p);
   const int64_t n_kv_heads = n_kv_heads_in.value_or(n_heads);
   auto [q, k, v] = split_heads(qkv, n_heads, n_kv_heads);
@@ -69,7 +66,12 @@ at::Tensor attention_math(const at::Tensor& qkv, const std::optional<at::Tensor>
   const int64_t T = qkv.size(1);
   const int64_t hd = q.size(3);
   const int64_t dim = n_heads * hd;
-  auto allowed = at::ones({T, T}, qkv.options().dtype(at::kBool)).tril().view({1, 1, T, T});
+  auto allowed = at::ones({T, T}, qkv.options().dtype(at::kBool)).tril();  // (T, T)
+  if (window.has_value()) {
+    TORCH_CHECK_VALUE(*window > 0, "window must be a positive number of keys; got ", *window);
+    allowed = allowed.triu(1 - *window);  // key j within the window of query i: i - j < window
+  }
+  allowed = allowed.view({1, 1, T, T});
   if (key_padding_mask.has_value()) {
     allowed = allowed.logical_and(key_padding_mask->view({B, 1, 1, T}));  // (B, 1, T, T)
   }

@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <limits>
 #include <fstream>
 #include <iostream>
 #include <set>
@@ -478,45 +477,16 @@ at::Tensor BlockImpl::mlp_of(const at::Tensor& x, bool step) {
   return mlp[3]->as<torch::nn::DropoutImpl>()->forward(few_rows_linear(inner, out->weight, out->bias));
 }
 
-namespace {
-
-// q (B, H, T, hd), k and v (B, Hkv, T, hd): the heads of qkv (B, T, (H + 2 Hkv) * hd), views.
-std::array<at::Tensor, 3> split_heads(const at::Tensor& qkv, int64_t H, int64_t Hkv) {
-  const int64_t B = qkv.size(0), T = qkv.size(1), hd = qkv.size(2) / (H + 2 * Hkv);
-  const auto parts = qkv.split_with_sizes({H * hd, Hkv * hd, Hkv * hd}, -1);
-  return {parts[0].view({B, T, H, hd}).transpose(1, 2), parts[1].view({B, T, Hkv, hd}).transpose(1, 2),
-          parts[2].view({B, T, Hkv, hd}).transpose(1, 2)};
-}
-
-// The specification with autograd (training a windowed model): the scores of each query's allowed
-// keys (causal, within the window, not padding) softmaxed; a query with none gives 0 (its scores
-// zeroed rather than -inf, so that no NaN reaches the gradients). -> (B, T, H, hd).
-at::Tensor windowed_attention_math(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   const std::optional<at::Tensor>& mask, int64_t window, double dropout_p,
-                                   bool training) {
-  const int64_t H = q.size(1), Hkv = k.size(1), T = q.size(2);
-  const auto keys = k.repeat_interleave(H / Hkv, 1), values = v.repeat_interleave(H / Hkv, 1);  // (B, H, T, hd)
-  const auto i = at::arange(T, at::kLong).unsqueeze(1), j = at::arange(T, at::kLong).unsqueeze(0);
-  auto allowed = ((j <= i) & (i - j < window)).view({1, 1, T, T});
-  if (mask.has_value()) allowed = allowed & mask->view({mask->size(0), 1, 1, T});
-  const auto any = allowed.any(-1, /*keepdim=*/true);  // (B?, 1, T, 1)
-  auto scores = at::matmul(q, keys.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
-  scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity())
-               .masked_fill(any.logical_not(), 0.0);
-  auto weights = at::softmax(scores, -1).masked_fill(any.logical_not(), 0.0);
-  if (dropout_p > 0) weights = at::dropout(weights, dropout_p, training);
-  return at::matmul(weights, values).transpose(1, 2);
-}
-
-}  // namespace
-
 at::Tensor BlockImpl::attend_windowed(const at::Tensor& qkv, const std::optional<at::Tensor>& mask, KVCache* cache) {
   const int64_t B = qkv.size(0), t = qkv.size(1), H = attn->n_heads(), Hkv = attn->n_kv_heads();
-  const auto [q, k, v] = split_heads(qkv, H, Hkv);
+  const auto [q, k, v] = kernels::split_heads(qkv, H, Hkv);
   if (cache == nullptr) {
     const double dropout_p = is_training() ? attn->dropout() : 0.0;
-    if (at::GradMode::is_enabled() || !qkv.device().is_cpu()) {
-      return windowed_attention_math(q, k, v, mask, *window_, dropout_p, is_training()).reshape({B, t, -1});
+    if (at::GradMode::is_enabled() || !qkv.device().is_cpu()) {  // differentiable: the specification
+      const auto keep = dropout_p > 0 ? std::optional<at::Tensor>(dropout_keep_mask(draw_dropout_seed(), B, H, t,
+                                                                                    dropout_p).to(qkv.device()))
+                                      : std::nullopt;
+      return kernels::attention_math(qkv, mask, H, dropout_p, keep, Hkv, window_);
     }
     return std::get<0>(kernels::attention_heads_forward_cpu(q, k, v, mask, std::nullopt, window_, std::nullopt,
                                                             dropout_p))

@@ -97,10 +97,14 @@ at::Tensor attention_composite(const at::Tensor& qkv, const std::optional<at::Te
 
 // The specification in ATen operations (materialises T x T): differentiable any number of times;
 // the fused kernel's double backward uses it. keep (B, H, T, T) bool: the dropout decisions
-// (P_drop = P * keep / (1 - dropout_p)), or none.
+// (P_drop = P * keep / (1 - dropout_p)), or none. window: each query sees its last `window` keys
+// (its own included) only (a sliding-window model's training path).
 at::Tensor attention_math(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask,
                           int64_t n_heads, double dropout_p = 0.0, const std::optional<at::Tensor>& keep = std::nullopt,
-                          std::optional<int64_t> n_kv_heads = std::nullopt);
+                          std::optional<int64_t> n_kv_heads = std::nullopt, std::optional<int64_t> window = std::nullopt);
+
+// qkv (B, T, (H + 2 Hkv) * hd) -> q (B, H, T, hd), k and v (B, Hkv, T, hd), by views (checked).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> split_heads(const at::Tensor& qkv, int64_t n_heads, int64_t n_kv_heads);
 
 // Fused CPU forward: (out (B, T, H * hd), lse (B, H, T)). lse is float32 (float64 for float64 inputs);
 // a query with no allowed key has out = 0 and lse = +inf. key_padding_mask: bool (B, T) or none.
