@@ -63,6 +63,9 @@ struct Count {
   std::string text() const { return over ? "more than 18446744073709551615" : std::to_string(value); }
 };
 
+// The parameters of the model a layout describes (n_layers blocks), saturating.
+Count parameter_count(const Layout& layout, int64_t n_layers);
+
 // A transformers save_pretrained directory whose config.json holds config_text (huggingface.cpp).
 GPT load_huggingface(const std::filesystem::path& directory, const std::string& config_text);
 

@@ -447,9 +447,7 @@ at::ScalarType check_headers(const GPTConfig& config, const Naming& naming, cons
   // Missing first: the walk stops at the ninth, so a config claiming a million layers costs nothing.
   std::vector<std::string> missing;
   std::set<std::string> used;
-  Count params;
-  for_each_tensor(layout, config.n_layers, naming, [&](const std::string&, const auto& shape, const auto& parts) {
-    params.add(static_cast<uint64_t>(numel(shape)));
+  for_each_tensor(layout, config.n_layers, naming, [&](const std::string&, const auto&, const auto& parts) {
     for (const auto& part : parts) {
       if (!shards.contains(part.name)) missing.push_back(part.name);
       used.insert(part.name);
@@ -458,13 +456,7 @@ at::ScalarType check_headers(const GPTConfig& config, const Naming& naming, cons
   });
   if (!missing.empty()) {
     const auto dtype = first.has_value() && !mixed ? first->second : at::kFloat;
-    Count all;  // the parameters of the whole model, counted from the layout
-    Count block;
-    for (const auto& t : layout.block) block.add(static_cast<uint64_t>(numel(t.shape)));
-    all = block.times(static_cast<uint64_t>(config.n_layers));
-    for (const auto* part : {&layout.before, &layout.after}) {
-      for (const auto& t : *part) all.add(static_cast<uint64_t>(numel(t.shape)));
-    }
+    const Count all = parameter_count(layout, config.n_layers);
     const Count needed = all.times(c10::elementSize(dtype));
     if (needed.over || needed.value > shards.bytes()) {
       throw FormatError(concat(config_source, " describes a model of ", all.text(), " parameters (", needed.text(),

@@ -94,6 +94,16 @@ std::optional<std::pair<int64_t, std::string>> block_name(const std::string& nam
   return std::pair(index, name.substr(dot + 1));
 }
 
+Count parameter_count(const Layout& layout, int64_t n_layers) {
+  Count block;
+  for (const auto& tensor : layout.block) block.add(static_cast<uint64_t>(numel(tensor.shape)));
+  Count total = block.times(static_cast<uint64_t>(n_layers));
+  for (const auto* part : {&layout.before, &layout.after}) {
+    for (const auto& tensor : *part) total.add(static_cast<uint64_t>(numel(tensor.shape)));
+  }
+  return total;
+}
+
 }  // namespace detail
 
 using detail::block_name;
@@ -102,6 +112,7 @@ using detail::Count;
 using detail::Layout;
 using detail::listing;
 using detail::numel;
+using detail::parameter_count;
 using detail::parameter_layout;
 using detail::shape_string;
 
@@ -174,15 +185,7 @@ class ModelTensors {
 
   Count tensors() const { return Count{per_block_.size()}.times(static_cast<uint64_t>(n_layers_)).add(outside_.size()); }
 
-  Count parameters() const {
-    Count block;
-    for (const auto& tensor : layout_.block) block.add(static_cast<uint64_t>(numel(tensor.shape)));
-    Count total = block.times(static_cast<uint64_t>(n_layers_));
-    for (const auto* part : {&layout_.before, &layout_.after}) {
-      for (const auto& tensor : *part) total.add(static_cast<uint64_t>(numel(tensor.shape)));
-    }
-    return total;
-  }
+  Count parameters() const { return parameter_count(layout_, n_layers_); }
 
  private:
   const Layout layout_;
