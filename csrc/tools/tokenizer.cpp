@@ -130,6 +130,8 @@ struct BpeTokenizer::State {
   std::vector<std::vector<int64_t>> template_ids;  // the single template: ids, with an empty entry for $A
   std::array<UChar32, 256> to_char = byte_chars();
   std::unordered_map<UChar32, unsigned char> to_byte;
+  std::array<std::string, 256> byte_text;             // each byte's character, UTF-8
+  std::array<std::optional<int64_t>, 256> byte_id;    // its vocab id, if it has one
 
   void read_model(const json& model, int64_t vocab_size);
   void read_added(const json& added, int64_t vocab_size);
@@ -380,12 +382,12 @@ std::vector<std::pair<std::optional<int64_t>, std::string>> BpeTokenizer::State:
 }
 
 void BpeTokenizer::State::encode_piece(const icu::UnicodeString& piece, std::vector<int64_t>& ids) const {
-  // The piece's UTF-8 bytes as byte-level characters.
-  std::string bytes = utf8(piece);
-  icu::UnicodeString mapped;
-  for (const unsigned char b : bytes) mapped.append(to_char[b]);
+  // The piece's UTF-8 bytes as byte-level characters: their vocab ids, looked up once at load.
+  const std::string bytes = utf8(piece);
   if (ignore_merges) {
-    const auto whole = vocab.find(utf8(mapped));
+    std::string mapped;
+    for (const unsigned char b : bytes) mapped += byte_text[b];
+    const auto whole = vocab.find(mapped);
     if (whole != vocab.end()) {
       ids.push_back(whole->second);
       return;
@@ -393,17 +395,14 @@ void BpeTokenizer::State::encode_piece(const icu::UnicodeString& piece, std::vec
   }
   std::vector<int64_t> word;
   bool last_unk = false;
-  for (int32_t i = 0; i < mapped.length();) {
-    const UChar32 c = mapped.char32At(i);
-    const auto found = vocab.find(utf8(icu::UnicodeString(c)));
-    if (found != vocab.end()) {
-      word.push_back(found->second);
+  for (const unsigned char b : bytes) {
+    if (byte_id[b].has_value()) {
+      word.push_back(*byte_id[b]);
       last_unk = false;
     } else if (unk.has_value() && !(fuse_unk && last_unk)) {
       word.push_back(*unk);
       last_unk = true;
     }  // else dropped, as tokenizers drops a character it cannot name
-    i += U16_LENGTH(c);
   }
   // The lowest-ranked adjacent pair first (the leftmost among equals), until none merges: a heap of
   // candidate pairs over a linked list of symbols, as tokenizers' merge_all (a long word costs n log n).
@@ -520,7 +519,13 @@ BpeTokenizer BpeTokenizer::load(const std::filesystem::path& path, int64_t vocab
   } catch (const json::exception& error) {
     throw FormatError(state->source + ": " + error.what());
   }
-  for (int b = 0; b < 256; ++b) state->to_byte[state->to_char[b]] = static_cast<unsigned char>(b);
+  for (int b = 0; b < 256; ++b) {
+    state->to_byte[state->to_char[b]] = static_cast<unsigned char>(b);
+    state->byte_text[b] = utf8(icu::UnicodeString(state->to_char[b]));
+    if (const auto found = state->vocab.find(state->byte_text[b]); found != state->vocab.end()) {
+      state->byte_id[b] = found->second;
+    }
+  }
   return BpeTokenizer(std::move(state));
 }
 
