@@ -71,6 +71,14 @@ def save(model: nn.Module, directory: Path) -> None:
     (directory / "config.json").write_text(json.dumps({"format": FORMAT, **model.config.to_dict()}, indent=2) + "\n")
 
 
+def build_empty(model_type: Callable[[GPTConfig], nn.Module], config: GPTConfig, dtype: torch.dtype) -> nn.Module:
+    """model_type(config) in dtype with uninitialised parameters, for a loader that fills every one:
+    built on the meta device, then given CPU memory in dtype (no float32 twin of a half model, no init)."""
+    with torch.device("meta"):
+        model = model_type(config)
+    return model.to(dtype).to_empty(device="cpu")
+
+
 def load(directory: Path, model_type: Callable[[GPTConfig], nn.Module]) -> nn.Module:
     """The model (model_type(config), i.e. GPT) that save() wrote into directory (the demo's --out
     directory too). The class is a parameter so that this module does not import gpt.py, which
@@ -93,9 +101,7 @@ def load(directory: Path, model_type: Callable[[GPTConfig], nn.Module]) -> nn.Mo
             header = {name: (file.get_slice(name).get_dtype(), tuple(file.get_slice(name).get_shape()))
                       for name in file.keys()}
             dtype = check_header(config, header, config_source=str(config_path), source=str(weights_path))
-            with torch.device("meta"):
-                model = model_type(config)
-            model = model.to(dtype).to_empty(device="cpu")
+            model = build_empty(model_type, config, dtype)
             with torch.no_grad():
                 for name, target in model.state_dict().items():
                     target.copy_(file.get_tensor(name))

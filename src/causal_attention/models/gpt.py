@@ -458,11 +458,9 @@ class GPT(nn.Module):
 
     @classmethod
     def empty(cls, config: GPTConfig, *, dtype: torch.dtype = torch.float32) -> GPT:
-        """GPT(config) in dtype with uninitialised parameters, for a loader that fills every one: built
-        on the meta device, then given CPU memory in dtype (no float32 twin of a half model, no init)."""
-        with torch.device("meta"):
-            model = cls(config)
-        return model.to(dtype).to_empty(device="cpu")
+        """GPT(config) in dtype with uninitialised parameters, for a loader that fills every one
+        (checkpoint.build_empty: no float32 twin of a half model, no init)."""
+        return checkpoint.build_empty(cls, config, dtype)  # type: ignore[return-value]
 
 
 class _Picks:
