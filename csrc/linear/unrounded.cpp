@@ -3,20 +3,18 @@
 // 0.0625 at the least), so that greedy and seeded sampling follow the float32 sums.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
 
-#include "attention/blas.h"
 #include "attention/config.h"
 #include "causal_attention/attention.h"
 #include "causal_attention/module.h"
 #include "linear/few_rows.h"
+#include "linear/widened.h"
 
 namespace causal_attention {
 namespace kernels {
 namespace {
 
-// Rows up to which the streaming kernel (one pass over the weight per 8 rows) beats blas::gemm's mixed
-// GEMM, which MKL runs on a generic path on AMD CPUs (commit body: 3-8x slower at 9-32 rows on Zen 4).
+// Rows up to which the streaming kernel (one pass over the weight per 8 rows) beats widened_blocks.
 constexpr int64_t kStreamRows = 32;
 
 at::ScalarType sum_type(at::ScalarType dtype) {
@@ -63,17 +61,15 @@ at::Tensor unrounded_linear_cpu(const at::Tensor& x, const at::Tensor& weight, c
     return bias.has_value() ? y.copy_(bias->expand(sizes)) : y.zero_();
   }
   const auto x2 = x.reshape({rows, in}).contiguous();  // (rows, in)
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(dtype, "unrounded_linear", [&] {
-    if (rows <= kStreamRows) {  // a decode step's few rows: the weight streamed (FewRowsProduct)
+  if (rows <= kStreamRows) {  // a decode step's few rows: the weight streamed (FewRowsProduct)
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(dtype, "unrounded_linear", [&] {
       FewRowsProduct<scalar_t>(x2, weight, bias).all(y.data_ptr<float>(), out_features);
-      return;
-    }
-    const auto w = weight.contiguous();  // (out, in): op(B) = w^T
-    if (bias.has_value()) {
-      y.view({rows, out_features}).copy_(bias->to(at::kFloat).expand({rows, out_features}));
-    }
-    blas::gemm(false, true, rows, out_features, in, 1.0f, x2.const_data_ptr<scalar_t>(), in,
-               w.const_data_ptr<scalar_t>(), in, bias.has_value() ? 1.0f : 0.0f, y.data_ptr<float>(), out_features);
+    });
+    return y;
+  }
+  const auto y2 = y.view({rows, out_features});
+  widened_blocks(x2, weight.t(), bias, [&](const at::Tensor& sums, int64_t row0, int64_t col0) {
+    y2.narrow(0, row0, sums.size(0)).narrow(1, col0, sums.size(1)).copy_(sums);
   });
   return y;
 }

@@ -1,9 +1,8 @@
 // The projections of a half-precision model on a CPU without arithmetic in its type (AVX2, or AVX-512
-// without BF16 / FP16): ATen's bfloat16 and half GEMMs run 3.5-4x slower than float32 there, while
-// MKL's mixed products (blas::gemm: each product of two exact widenings summed in float32) run at
-// float32's speed. The products here read the half operands as they are and round each output once.
+// without BF16 / FP16): ATen's bfloat16 and half GEMMs run 3.5-4x slower than float32 there. Here the
+// operands are widened to float32 a cache-sized block at a time (exact) and multiplied by sgemm, so each
+// output is a float32 sum of exact products, rounded once, at float32's speed.
 #include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -12,15 +11,15 @@
 
 #include "attention/blas.h"
 #include "causal_attention/attention.h"
+#include "linear/widened.h"
 
 namespace causal_attention {
 namespace kernels {
 namespace {
 
-// widened_addmm's output blocks: float32 sums of about kWidenedBlockBytes, at least kWidenedMinRows rows
-// (or columns).
+// widened_blocks' blocks: equal blocks whose widened operand and float32 sums take about
+// kWidenedBlockBytes together, in multiples of 16 rows (or columns).
 constexpr int64_t kWidenedBlockBytes = int64_t(1) << 22;
-constexpr int64_t kWidenedMinRows = 64;
 
 bool is_half(at::ScalarType dtype) { return dtype == at::kBFloat16 || dtype == at::kHalf; }
 
@@ -92,7 +91,48 @@ class WidenedAddmm : public torch::autograd::Function<WidenedAddmm> {
   }
 };
 
+// t (rows, cols) widened to float32 in buffer's memory, in t's orientation (rows or columns contiguous),
+// so that the copy streams both sides.
+at::Tensor widen_into(const at::Tensor& t, const at::Tensor& buffer) {
+  const int64_t rows = t.size(0), cols = t.size(1);
+  const auto memory = buffer.narrow(0, 0, rows * cols);
+  const bool columns = t.stride(0) == 1 && t.stride(1) != 1;
+  return (columns ? memory.view({cols, rows}).t() : memory.view({rows, cols})).copy_(t);
+}
+
 }  // namespace
+
+void widened_blocks(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
+                    c10::function_ref<void(const at::Tensor& sums, int64_t row0, int64_t col0)> sink) {
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  // Blocks of rows where M >= N (b widened once), of columns otherwise (a widened once: a prompt's rows
+  // against a head's 50257 columns); a block's widened operand and its sums stay in cache.
+  const bool by_rows = M >= N;
+  const int64_t along = by_rows ? M : N;
+  const int64_t across = by_rows ? N : M;
+  const int64_t blocks = std::max<int64_t>(1, (along * (K + across) * 4 + kWidenedBlockBytes - 1) / kWidenedBlockBytes);
+  const int64_t block = std::min(along, ((along + blocks - 1) / blocks + 15) / 16 * 16);
+  const auto f32 = a.options().dtype(at::kFloat);
+  const at::Tensor& whole = by_rows ? b : a;
+  const at::Tensor whole_f = widen_into(whole, at::empty({whole.numel()}, f32));
+  const at::Tensor part_buffer = at::empty({block * K}, f32);
+  const at::Tensor buffer = at::empty({by_rows ? block : M, by_rows ? N : block}, f32);
+  const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
+  for (int64_t i0 = 0; i0 < along; i0 += block) {
+    const int64_t size = std::min(block, along - i0);
+    const at::Tensor part_f = widen_into(by_rows ? a.narrow(0, i0, size) : b.narrow(1, i0, size), part_buffer);
+    const auto [trans_a, lda, a_f] = gemm_operand(by_rows ? part_f : whole_f);
+    const auto [trans_b, ldb, b_f] = gemm_operand(by_rows ? whole_f : part_f);
+    const int64_t rows = by_rows ? size : M, cols = by_rows ? N : size;
+    auto sums = buffer.narrow(0, 0, rows).narrow(1, 0, cols);  // (rows, cols), leading dimension buffer.size(1)
+    if (bias_f.defined()) {
+      sums.copy_(bias_f.narrow(0, by_rows ? 0 : i0, cols).expand({rows, cols}));
+    }
+    blas::gemm(trans_a, trans_b, rows, cols, K, 1.0f, a_f.const_data_ptr<float>(), lda, b_f.const_data_ptr<float>(),
+               ldb, bias_f.defined() ? 1.0f : 0.0f, sums.data_ptr<float>(), buffer.size(1));
+    sink(sums, by_rows ? i0 : 0, by_rows ? 0 : i0);
+  }
+}
 
 bool half_arithmetic(at::ScalarType dtype) {
   TORCH_CHECK_VALUE(at::isFloatingType(dtype), "half_arithmetic: dtype must be a floating type; got ", dtype);
@@ -113,35 +153,11 @@ at::Tensor widened_addmm_cpu(const at::Tensor& a, const at::Tensor& b, const std
   if (M == 0 || N == 0) {
     return out;
   }
-  const auto bias_row = bias.has_value() ? bias->to(at::kFloat) : at::zeros({N}, a.options().dtype(at::kFloat));
   if (K == 0) {
-    return out.copy_(bias_row.expand({M, N}));
+    return bias.has_value() ? out.copy_(bias->expand({M, N})) : out.zero_();
   }
-  const auto [trans_a, lda, a_mem] = gemm_operand(a);
-  const auto [trans_b, ldb, b_mem] = gemm_operand(b);
-  // Blocks of the output whose float32 sums stay in cache until they are rounded, in one buffer (no
-  // (M, N) float32 tensor to fault in and read back): blocks of rows where M >= N (each block re-packs b),
-  // of columns otherwise (each re-packs a; a head's 50257 columns against a prompt's rows).
-  const bool by_rows = M >= N;
-  const int64_t across = by_rows ? N : M;
-  const int64_t block = std::min(by_rows ? M : N, std::max<int64_t>(kWidenedMinRows, kWidenedBlockBytes / (4 * across)));
-  at::Tensor buffer = at::empty({by_rows ? block : M, by_rows ? N : block}, a.options().dtype(at::kFloat));
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(a.scalar_type(), "widened_addmm", [&] {
-    const scalar_t* a_ptr = a_mem.const_data_ptr<scalar_t>();
-    const scalar_t* b_ptr = b_mem.const_data_ptr<scalar_t>();
-    for (int64_t i0 = 0; i0 < (by_rows ? M : N); i0 += block) {
-      const int64_t size = std::min(block, (by_rows ? M : N) - i0);
-      const int64_t rows = by_rows ? size : M, cols = by_rows ? N : size;
-      auto c = buffer.narrow(0, 0, rows).narrow(1, 0, cols);  // (rows, cols), leading dimension buffer.size(1)
-      if (bias.has_value()) {
-        c.copy_(bias_row.narrow(0, by_rows ? 0 : i0, cols).expand({rows, cols}));
-      }
-      const scalar_t* a_block = by_rows ? a_ptr + (trans_a ? i0 : i0 * lda) : a_ptr;
-      const scalar_t* b_block = by_rows ? b_ptr : b_ptr + (trans_b ? i0 * ldb : i0);
-      blas::gemm(trans_a, trans_b, rows, cols, K, 1.0f, a_block, lda, b_block, ldb, bias.has_value() ? 1.0f : 0.0f,
-                 c.data_ptr<float>(), buffer.size(1));
-      (by_rows ? out.narrow(0, i0, rows) : out.narrow(1, i0, cols)).copy_(c);
-    }
+  widened_blocks(a, b, bias, [&](const at::Tensor& sums, int64_t row0, int64_t col0) {
+    out.narrow(0, row0, sums.size(0)).narrow(1, col0, sums.size(1)).copy_(sums);  // rounded once
   });
   return out;
 }

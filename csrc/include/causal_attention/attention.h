@@ -221,14 +221,16 @@ const char* cpu_capability();
 bool half_arithmetic(at::ScalarType dtype);
 
 // a (M, K) @ b (K, N) (+ bias (N,)) -> (M, N), bfloat16 or half operands of any strides, each output
-// summed in float32 from exact widenings (blas::gemm) and rounded once to the dtype. No autograd.
+// summed in float32 from exact widenings (sgemm on float32 blocks) and rounded once to the dtype. No
+// autograd.
 at::Tensor widened_addmm_cpu(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias);
 at::Tensor widened_addmm_meta(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias);
 
 // x (..., in) @ weight^T (+ bias) -> (..., out) summed in float32 (float64 for float64) and returned
 // unrounded: float32 for bfloat16/half operands (each product of two exact widenings), x's dtype
 // otherwise. Up to 32 rows (a decode step's) stream the weight (few_rows_linear_cpu's sums, not
-// rounded); more go to blas::gemm. No autograd (causal_attention::unrounded_linear has it).
+// rounded); more are widened_addmm's float32 sums. No autograd (causal_attention::unrounded_linear
+// has it).
 at::Tensor unrounded_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 at::Tensor unrounded_linear_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 

@@ -36,7 +36,7 @@ def route(dtype: torch.dtype) -> str:
     """How the layer and the GPT compute their projections in dtype on this CPU."""
     if torch.ops.causal_attention.half_arithmetic(dtype):
         return "projections: ATen's half GEMMs"
-    return "projections: widened, float32 sums (MKL mixed GEMM)"
+    return "projections: widened to float32 blocks, sgemm"
 
 
 def _row(section: str, name: str, times: dict[str, list[float]]) -> Row:
