@@ -3,9 +3,14 @@
 // operands are widened to float32 a cache-sized block at a time (exact) and multiplied by sgemm, so each
 // output is a float32 sum of exact products, rounded once, at float32's speed.
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <optional>
+#include <string>
 #include <string_view>
 #include <tuple>
 
@@ -100,6 +105,41 @@ at::Tensor widen_into(const at::Tensor& t, const at::Tensor& buffer) {
   return (columns ? memory.view({cols, rows}).t() : memory.view({rows, cols})).copy_(t);
 }
 
+// oneDNN's float32 inner product (torch's mkldnn::_linear_pointwise, any strides) where torch has it,
+// torch.backends.mkldnn is enabled and its float32 products are IEEE (not rounded to bf16 / tf32): MKL's
+// sgemm takes slower paths on AMD CPUs, oneDNN does not.
+std::optional<c10::OperatorHandle> onednn_linear_op() {
+  const auto& context = at::globalContext();
+  const auto precision = context.float32Precision(at::Float32Backend::MKLDNN, at::Float32Op::MATMUL);
+  if (!at::hasMKLDNN() || !context.userEnabledMkldnn() || context.allowTF32OneDNN() ||
+      (precision != at::Float32Precision::NONE && precision != at::Float32Precision::IEEE)) {
+    return std::nullopt;
+  }
+  return c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+}
+
+// x (rows, K) @ w (cols, K)^T (+ bias (cols,)) -> (rows, cols), float32.
+at::Tensor onednn(const c10::OperatorHandle& op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  torch::jit::Stack stack{x, w, bias.defined() ? c10::IValue(bias) : c10::IValue(), std::string("none"),
+                          c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+  op.callBoxed(&stack);
+  return stack.at(0).toTensor();
+}
+
+// a (rows, K) @ b (K, cols) (+ bias (cols,)) -> (rows, cols), float32 by blas::gemm into buffer's memory.
+at::Tensor sgemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, const at::Tensor& buffer) {
+  const int64_t rows = a.size(0), cols = b.size(1);
+  const auto [trans_a, lda, a_mem] = gemm_operand(a);
+  const auto [trans_b, ldb, b_mem] = gemm_operand(b);
+  auto sums = buffer.narrow(0, 0, rows).narrow(1, 0, cols);  // leading dimension buffer.size(1)
+  if (bias.defined()) {
+    sums.copy_(bias.expand({rows, cols}));
+  }
+  blas::gemm(trans_a, trans_b, rows, cols, a.size(1), 1.0f, a_mem.const_data_ptr<float>(), lda,
+             b_mem.const_data_ptr<float>(), ldb, bias.defined() ? 1.0f : 0.0f, sums.data_ptr<float>(), buffer.size(1));
+  return sums;
+}
+
 }  // namespace
 
 void widened_blocks(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
@@ -110,27 +150,27 @@ void widened_blocks(const at::Tensor& a, const at::Tensor& b, const std::optiona
   const bool by_rows = M >= N;
   const int64_t along = by_rows ? M : N;
   const int64_t across = by_rows ? N : M;
-  const int64_t blocks = std::max<int64_t>(1, (along * (K + across) * 4 + kWidenedBlockBytes - 1) / kWidenedBlockBytes);
+  const int64_t blocks =
+      std::max<int64_t>(1, (along * (K + across) * 4 + kWidenedBlockBytes - 1) / kWidenedBlockBytes);
   const int64_t block = std::min(along, ((along + blocks - 1) / blocks + 15) / 16 * 16);
   const auto f32 = a.options().dtype(at::kFloat);
+  const auto onednn_linear = onednn_linear_op();
   const at::Tensor& whole = by_rows ? b : a;
   const at::Tensor whole_f = widen_into(whole, at::empty({whole.numel()}, f32));
   const at::Tensor part_buffer = at::empty({block * K}, f32);
-  const at::Tensor buffer = at::empty({by_rows ? block : M, by_rows ? N : block}, f32);
+  const at::Tensor buffer =  // sgemm's sums (oneDNN returns its own)
+      onednn_linear.has_value() ? at::Tensor() : at::empty({by_rows ? block : M, by_rows ? N : block}, f32);
   const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
   for (int64_t i0 = 0; i0 < along; i0 += block) {
     const int64_t size = std::min(block, along - i0);
     const at::Tensor part_f = widen_into(by_rows ? a.narrow(0, i0, size) : b.narrow(1, i0, size), part_buffer);
-    const auto [trans_a, lda, a_f] = gemm_operand(by_rows ? part_f : whole_f);
-    const auto [trans_b, ldb, b_f] = gemm_operand(by_rows ? whole_f : part_f);
-    const int64_t rows = by_rows ? size : M, cols = by_rows ? N : size;
-    auto sums = buffer.narrow(0, 0, rows).narrow(1, 0, cols);  // (rows, cols), leading dimension buffer.size(1)
-    if (bias_f.defined()) {
-      sums.copy_(bias_f.narrow(0, by_rows ? 0 : i0, cols).expand({rows, cols}));
-    }
-    blas::gemm(trans_a, trans_b, rows, cols, K, 1.0f, a_f.const_data_ptr<float>(), lda, b_f.const_data_ptr<float>(),
-               ldb, bias_f.defined() ? 1.0f : 0.0f, sums.data_ptr<float>(), buffer.size(1));
-    sink(sums, by_rows ? i0 : 0, by_rows ? 0 : i0);
+    const at::Tensor& a_f = by_rows ? part_f : whole_f;  // (rows, K)
+    const at::Tensor& b_f = by_rows ? whole_f : part_f;  // (K, cols)
+    const int64_t row0 = by_rows ? i0 : 0, col0 = by_rows ? 0 : i0;
+    const at::Tensor bias_block = bias_f.defined() ? bias_f.narrow(0, col0, b_f.size(1)) : at::Tensor();
+    sink(onednn_linear.has_value() ? onednn(*onednn_linear, a_f, b_f.t(), bias_block)
+                                   : sgemm(a_f, b_f, bias_block, buffer),
+         row0, col0);
   }
 }
 

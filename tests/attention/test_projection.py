@@ -4,11 +4,13 @@ GPT route their linear layers through (attention/decode.py: project, widened_mat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -31,6 +33,22 @@ def _bound(exact: torch.Tensor, magnitude: torch.Tensor, k: int, dtype: torch.dt
     return torch.finfo(dtype).eps / 2 * exact.abs() + k * EPS32 * magnitude + torch.finfo(dtype).tiny
 
 
+@contextlib.contextmanager
+def _float32_products(backend: str) -> Iterator[None]:
+    """widened_addmm's float32 products: oneDNN's inner product (torch's default where it has oneDNN),
+    MKL's sgemm with torch.backends.mkldnn disabled, or sgemm because oneDNN's float32 products would
+    round to bfloat16 (torch.backends.mkldnn.matmul.fp32_precision = "bf16")."""
+    saved = torch.backends.mkldnn.set_flags(_fp32_precision=None)
+    try:
+        if backend == "sgemm":
+            torch.backends.mkldnn.set_flags(_enabled=False, _fp32_precision=None)
+        elif backend == "onednn_bf16_precision":
+            torch.backends.mkldnn.set_flags(_fp32_precision="bf16")
+        yield
+    finally:
+        torch.backends.mkldnn.set_flags(*saved)
+
+
 def _operand(rows: int, cols: int, layout: str, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     """(rows, cols) in dtype: row-major, a transposed view (column-major), or a strided slice."""
     if layout == "transposed":
@@ -44,16 +62,21 @@ def _operand(rows: int, cols: int, layout: str, dtype: torch.dtype, gen: torch.G
 # (40, 16, 30000) and (20000, 8, 70): two blocks of columns, of rows (kWidenedBlockBytes).
 @pytest.mark.parametrize("M,K,N", [(1, 8, 3), (7, 48, 5), (113, 64, 80), (1025, 80, 17), (300, 700, 2100),
                                    (40, 16, 30000), (20000, 8, 70)])
+# (contiguous, transposed) is x @ weight^T, the product oneDNN's inner product takes where torch has it.
 @pytest.mark.parametrize("layouts", [("contiguous", "contiguous"), ("transposed", "transposed"),
+                                     ("contiguous", "transposed"), ("sliced", "transposed"),
                                      ("sliced", "contiguous"), ("contiguous", "sliced")])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("backend", ["onednn", "sgemm"])
 def test_widened_addmm_sums_in_float32_and_rounds_once(dtype: torch.dtype, M: int, K: int, N: int,
-                                                        layouts: tuple[str, str], with_bias: bool) -> None:
+                                                        layouts: tuple[str, str], with_bias: bool,
+                                                        backend: str) -> None:
     gen = torch.Generator().manual_seed(M * 7919 + K * 31 + N)
     a = _operand(M, K, layouts[0], dtype, gen) * 3
     b = _operand(K, N, layouts[1], dtype, gen)
     bias = (torch.randn(N, generator=gen) * 4).to(dtype) if with_bias else None
-    out = ops.widened_addmm(a, b, bias)
+    with _float32_products(backend):
+        out = ops.widened_addmm(a, b, bias)
     assert out.dtype == dtype and out.shape == (M, N) and out.is_contiguous()
     exact = a.double() @ b.double() + (0 if bias is None else bias.double())
     magnitude = a.double().abs() @ b.double().abs()
@@ -61,7 +84,20 @@ def test_widened_addmm_sums_in_float32_and_rounds_once(dtype: torch.dtype, M: in
     assert bool((err <= _bound(exact, magnitude, K, dtype)).all()), f"worst {err.max().item():.3g}"
     # Rounded once: equal to the float32 product rounded to dtype but where their sums' orders differ.
     once = (a.float() @ b.float() + (0 if bias is None else bias.float())).to(dtype)
-    assert (out != once).float().mean().item() <= 0.01
+    assert int((out != once).sum()) <= max(1, 0.01 * out.numel())
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=_name)
+def test_widened_addmm_never_rounds_its_float32_products(dtype: torch.dtype) -> None:
+    """With oneDNN's float32 products set to round to bfloat16 (fp32_precision), widened_addmm takes
+    sgemm: its sums stay float32's, bit for bit those of the sgemm path."""
+    gen = torch.Generator().manual_seed(3)
+    a = (torch.randn(300, 700, generator=gen) * 3).to(dtype)
+    w = (torch.randn(2100, 700, generator=gen) * 0.7).to(dtype)  # (out, in): b = w^T
+    with _float32_products("sgemm"):
+        expected = ops.widened_addmm(a, w.t(), None)
+    with _float32_products("onednn_bf16_precision"):
+        assert torch.equal(ops.widened_addmm(a, w.t(), None), expected)
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=_name)
