@@ -15,7 +15,7 @@ namespace kernels {
 namespace {
 
 // Rows up to which the streaming kernel (one pass over the weight per 8 rows) beats widened_blocks.
-constexpr int64_t kStreamRows = 32;
+constexpr int64_t kStreamRows = 64;
 
 at::ScalarType sum_type(at::ScalarType dtype) {
   return dtype == at::kBFloat16 || dtype == at::kHalf ? at::kFloat : dtype;

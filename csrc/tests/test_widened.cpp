@@ -83,8 +83,8 @@ TEST_P(Widened, AddmmRefusesWhatItCannotTake) {
 }
 
 // unrounded_linear (a half model's float32 logits): float32 within the summation bound of the float64
-// product of the same half values, not rounded to the dtype, on both row paths (streamed up to 32 rows,
-// blas::gemm past them); a decode step's sums rounded are few_rows_linear_cpu's bits.
+// product of the same half values, not rounded to the dtype, on both row paths (streamed up to 64 rows,
+// widened_blocks past them); a decode step's sums rounded are few_rows_linear_cpu's bits.
 TEST_P(Widened, UnroundedLinearReturnsTheFloat32Sums) {
   const auto dtype = GetParam();
   torch::NoGradGuard no_grad;
@@ -92,7 +92,7 @@ TEST_P(Widened, UnroundedLinearReturnsTheFloat32Sums) {
   const int64_t in = 77, out = 131;
   const auto w = (torch::randn({out, in}) / 2).to(dtype);
   const auto b = torch::randn({out}).to(dtype);
-  for (const int64_t rows : {1, 5, 8, 9, 32, 33, 70}) {
+  for (const int64_t rows : {1, 5, 8, 9, 33, 64, 65, 70}) {
     const auto x = (torch::randn({rows, in}) * 3).to(dtype);
     const auto y = ca::kernels::unrounded_linear_cpu(x, w, b);
     ASSERT_EQ(y.scalar_type(), torch::kFloat32) << rows;

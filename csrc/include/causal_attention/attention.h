@@ -228,7 +228,7 @@ at::Tensor widened_addmm_meta(const at::Tensor& a, const at::Tensor& b, const st
 
 // x (..., in) @ weight^T (+ bias) -> (..., out) summed in float32 (float64 for float64) and returned
 // unrounded: float32 for bfloat16/half operands (each product of two exact widenings), x's dtype
-// otherwise. Up to 32 rows (a decode step's) stream the weight (few_rows_linear_cpu's sums, not
+// otherwise. Up to 64 rows (a decode step's) stream the weight (few_rows_linear_cpu's sums, not
 // rounded); more are widened_addmm's float32 sums. No autograd (causal_attention::unrounded_linear
 // has it).
 at::Tensor unrounded_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
