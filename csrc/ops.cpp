@@ -17,6 +17,7 @@
 //   project(x, weight, bias) -> y           differentiable; half on CPUs without half arithmetic: widened
 //   widened_addmm(a, b, bias) -> c          a @ b + bias, half operands summed in float32, rounded once
 //   half_arithmetic(dtype) -> bool          whether project leaves dtype to ATen here
+//   widened_products() -> str               "oneDNN" or "sgemm": what multiplies widened_addmm's blocks
 //   unrounded_linear(x, weight, bias) -> y  x @ weight^T + bias summed in float32, not rounded back to half
 //   mask_to_bool(key_padding_mask) -> mask                              checks an integer mask's values
 //   cache_end(lengths, key_padding_mask, new_tokens, max_len) -> end    checks a cache step
@@ -317,6 +318,7 @@ TORCH_LIBRARY(causal_attention, m) {
   m.def("widened_addmm(Tensor a, Tensor b, Tensor? bias) -> Tensor");
   m.def("unrounded_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("half_arithmetic(ScalarType dtype) -> bool");
+  m.def("widened_products() -> str");
   m.def("cache_zeros(int[] size, ScalarType dtype, Device? device=None) -> Tensor");
   m.def("advise_huge_pages(Tensor tensor) -> int");
 }
@@ -384,6 +386,7 @@ TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
 TORCH_LIBRARY_IMPL(causal_attention, CatchAll, m) {
   m.impl("cpu_capability", [] { return std::string(kernels::cpu_capability()); });
   m.impl("half_arithmetic", &kernels::half_arithmetic);
+  m.impl("widened_products", [] { return std::string(kernels::widened_products()); });
 }
 
 const char* kernels::cpu_capability() { return tile::tile_ops_capability(); }

@@ -87,6 +87,13 @@ def test_widened_addmm_sums_in_float32_and_rounds_once(dtype: torch.dtype, M: in
     assert int((out != once).sum()) <= max(1, 0.01 * out.numel())
 
 
+@pytest.mark.parametrize("backend", ["onednn", "sgemm", "onednn_bf16_precision"])
+def test_widened_products_names_the_route(backend: str) -> None:
+    onednn = torch.backends.mkldnn.is_available() and backend == "onednn"
+    with _float32_products(backend):
+        assert ops.widened_products() == ("oneDNN" if onednn else "sgemm")
+
+
 @pytest.mark.parametrize("dtype", HALF, ids=_name)
 def test_widened_addmm_never_rounds_its_float32_products(dtype: torch.dtype) -> None:
     """With oneDNN's float32 products set to round to bfloat16 (fp32_precision), widened_addmm takes

@@ -220,9 +220,13 @@ const char* cpu_capability();
 // bfloat16 with AVX512-BF16 and half with AVX512-FP16, on the AVX512 path (cpu_capability).
 bool half_arithmetic(at::ScalarType dtype);
 
+// What multiplies widened_addmm's float32 blocks now: "oneDNN" (its inner product, where torch has it,
+// torch.backends.mkldnn is enabled and its float32 products are IEEE) or "sgemm".
+const char* widened_products();
+
 // a (M, K) @ b (K, N) (+ bias (N,)) -> (M, N), bfloat16 or half operands of any strides, each output
-// summed in float32 from exact widenings (sgemm on float32 blocks) and rounded once to the dtype. No
-// autograd.
+// summed in float32 from exact widenings (float32 blocks, widened_products) and rounded once to the
+// dtype. No autograd.
 at::Tensor widened_addmm_cpu(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias);
 at::Tensor widened_addmm_meta(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias);
 

@@ -5,7 +5,8 @@ the layer's forward+backward (B=4, T=1024, dim 768, 12 heads, right-padded to le
 GPT-2 124M's prefill of 512 tokens (B=1, logits everywhere, no autograd), in bfloat16 and float16.
 Each section names the engine's instruction set and the route of the projections: ATen's half GEMMs
 where the CPU has arithmetic in the dtype (torch.ops.causal_attention.half_arithmetic), else the
-engine's widened products (half operands summed in float32 by MKL's mixed-precision GEMM).
+engine's widened products (half operands widened exactly to float32 a block at a time and multiplied by
+oneDNN's inner product or sgemm: torch.ops.causal_attention.widened_products).
 
 x = float32's time / the half model's (above 1: half is faster).
 """
@@ -36,7 +37,7 @@ def route(dtype: torch.dtype) -> str:
     """How the layer and the GPT compute their projections in dtype on this CPU."""
     if torch.ops.causal_attention.half_arithmetic(dtype):
         return "projections: ATen's half GEMMs"
-    return "projections: widened to float32 blocks, sgemm"
+    return f"projections: widened to float32 blocks, {torch.ops.causal_attention.widened_products()}"
 
 
 def _row(section: str, name: str, times: dict[str, list[float]]) -> Row:
