@@ -1,7 +1,8 @@
 // The projections of a half-precision model on a CPU without arithmetic in its type (AVX2, or AVX-512
 // without BF16 / FP16): ATen's bfloat16 and half GEMMs run 3.5-4x slower than float32 there. Here the
-// operands are widened to float32 a cache-sized block at a time (exact) and multiplied by sgemm, so each
-// output is a float32 sum of exact products, rounded once, at float32's speed.
+// operands are widened to float32 (exact; one of them a cache-sized block at a time) and multiplied by
+// oneDNN's float32 inner product or sgemm, so each output is a float32 sum of exact products, rounded
+// once, at float32's speed.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -9,6 +10,7 @@
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -105,20 +107,34 @@ at::Tensor widen_into(const at::Tensor& t, const at::Tensor& buffer) {
   return (columns ? memory.view({cols, rows}).t() : memory.view({rows, cols})).copy_(t);
 }
 
-// oneDNN's float32 inner product (torch's mkldnn::_linear_pointwise, any strides) where torch has it,
-// torch.backends.mkldnn is enabled and its float32 products are IEEE (not rounded to bf16 / tf32): MKL's
-// sgemm takes slower paths on AMD CPUs, oneDNN does not.
+// Whether oneDNN's default float32 math is left strict: ONEDNN_DEFAULT_FPMATH_MODE (DNNL_ before
+// oneDNN 3) set to BF16, TF32 or ANY lets its float32 products round their operands.
+bool onednn_fpmath_strict() {
+  for (const char* name : {"ONEDNN_DEFAULT_FPMATH_MODE", "DNNL_DEFAULT_FPMATH_MODE"}) {
+    const char* mode = std::getenv(name);
+    if (mode != nullptr && !std::string_view(mode).empty() && std::string_view(mode) != "STRICT" &&
+        std::string_view(mode) != "strict") {
+      return false;
+    }
+  }
+  return true;
+}
+
+// oneDNN's float32 inner product (torch's mkldnn::_linear_pointwise) where torch has it,
+// torch.backends.mkldnn is enabled and its float32 products are IEEE (not rounded to bf16 / tf32, by
+// torch's settings or oneDNN's environment): MKL's sgemm takes slower paths on AMD CPUs, oneDNN does not.
 std::optional<c10::OperatorHandle> onednn_linear_op() {
   const auto& context = at::globalContext();
   const auto precision = context.float32Precision(at::Float32Backend::MKLDNN, at::Float32Op::MATMUL);
-  if (!at::hasMKLDNN() || !context.userEnabledMkldnn() || context.allowTF32OneDNN() ||
+  if (!at::hasMKLDNN() || !context.userEnabledMkldnn() || context.allowTF32OneDNN() || !onednn_fpmath_strict() ||
       (precision != at::Float32Precision::NONE && precision != at::Float32Precision::IEEE)) {
     return std::nullopt;
   }
   return c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
 }
 
-// x (rows, K) @ w (cols, K)^T (+ bias (cols,)) -> (rows, cols), float32.
+// x (rows, K) @ w (cols, K)^T (+ bias (cols,)) -> (rows, cols), float32: w of any strides, x row-major
+// (oneDNN copies any other x).
 at::Tensor onednn(const c10::OperatorHandle& op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
   torch::jit::Stack stack{x, w, bias.defined() ? c10::IValue(bias) : c10::IValue(), std::string("none"),
                           c10::List<std::optional<at::Scalar>>(), c10::IValue()};
@@ -145,8 +161,9 @@ at::Tensor sgemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bia
 void widened_blocks(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
                     c10::function_ref<void(const at::Tensor& sums, int64_t row0, int64_t col0)> sink) {
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
-  // Blocks of rows where M >= N (b widened once), of columns otherwise (a widened once: a prompt's rows
-  // against a head's 50257 columns); a block's widened operand and its sums stay in cache.
+  // Blocks of rows where M >= N (b widened once, whole: up to twice its half size), of columns otherwise
+  // (a widened once: a prompt's rows against a head's 50257 columns); a block's widened operand and its
+  // sums stay in cache.
   const bool by_rows = M >= N;
   const int64_t along = by_rows ? M : N;
   const int64_t across = by_rows ? N : M;
@@ -158,8 +175,7 @@ void widened_blocks(const at::Tensor& a, const at::Tensor& b, const std::optiona
   const at::Tensor& whole = by_rows ? b : a;
   const at::Tensor whole_f = widen_into(whole, at::empty({whole.numel()}, f32));
   const at::Tensor part_buffer = at::empty({block * K}, f32);
-  const at::Tensor buffer =  // sgemm's sums (oneDNN returns its own)
-      onednn_linear.has_value() ? at::Tensor() : at::empty({by_rows ? block : M, by_rows ? N : block}, f32);
+  const at::Tensor buffer = at::empty({by_rows ? block : M, by_rows ? N : block}, f32);  // sgemm's sums
   const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
   for (int64_t i0 = 0; i0 < along; i0 += block) {
     const int64_t size = std::min(block, along - i0);
@@ -168,8 +184,9 @@ void widened_blocks(const at::Tensor& a, const at::Tensor& b, const std::optiona
     const at::Tensor& b_f = by_rows ? whole_f : part_f;  // (K, cols)
     const int64_t row0 = by_rows ? i0 : 0, col0 = by_rows ? 0 : i0;
     const at::Tensor bias_block = bias_f.defined() ? bias_f.narrow(0, col0, b_f.size(1)) : at::Tensor();
-    sink(onednn_linear.has_value() ? onednn(*onednn_linear, a_f, b_f.t(), bias_block)
-                                   : sgemm(a_f, b_f, bias_block, buffer),
+    // A column-major a (a weight gradient's x^T) goes to sgemm, which reads it transposed in place.
+    sink(onednn_linear.has_value() && a_f.is_contiguous() ? onednn(*onednn_linear, a_f, b_f.t(), bias_block)
+                                                          : sgemm(a_f, b_f, bias_block, buffer),
          row0, col0);
   }
 }

@@ -1,4 +1,4 @@
-// Products of bfloat16 / half operands summed in float32 at sgemm's speed, for CPUs without arithmetic
+// Products of bfloat16 / half operands summed in float32 at float32's speed, for CPUs without arithmetic
 // in those types: widened_addmm (a half model's projections) and unrounded_linear (its float32 logits).
 #pragma once
 
@@ -12,8 +12,9 @@ namespace causal_attention::kernels {
 
 // a (M, K) @ b (K, N) (+ bias (N,)), bfloat16 or half operands of any strides (one dtype; M, N, K > 0,
 // checked by the caller): each output the float32 sum of exact widenings. The operand of the shorter
-// outer dimension is widened once, the other a block of rows (or columns) at a time, and each block's
-// float32 sums (rows, cols), at (row0, col0) of the product, go to `sink` while they are in cache.
+// outer dimension is widened once, whole (float32: twice its size), the other a block of rows (or
+// columns) at a time, and each block's float32 sums (rows, cols), at (row0, col0) of the product, go to
+// `sink` while they are in cache.
 void widened_blocks(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
                     c10::function_ref<void(const at::Tensor& sums, int64_t row0, int64_t col0)> sink);
 

@@ -92,7 +92,7 @@ TEST_P(Widened, UnroundedLinearReturnsTheFloat32Sums) {
   const int64_t in = 77, out = 131;
   const auto w = (torch::randn({out, in}) / 2).to(dtype);
   const auto b = torch::randn({out}).to(dtype);
-  for (const int64_t rows : {1, 5, 8, 9, 33, 64, 65, 70}) {
+  for (const int64_t rows : {1, 5, 8, 9, 33, 64, 65, 70, 140}) {
     const auto x = (torch::randn({rows, in}) * 3).to(dtype);
     const auto y = ca::kernels::unrounded_linear_cpu(x, w, b);
     ASSERT_EQ(y.scalar_type(), torch::kFloat32) << rows;

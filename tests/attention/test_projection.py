@@ -38,15 +38,15 @@ def _float32_products(backend: str) -> Iterator[None]:
     """widened_addmm's float32 products: oneDNN's inner product (torch's default where it has oneDNN),
     MKL's sgemm with torch.backends.mkldnn disabled, or sgemm because oneDNN's float32 products would
     round to bfloat16 (torch.backends.mkldnn.matmul.fp32_precision = "bf16")."""
-    saved = torch.backends.mkldnn.set_flags(_fp32_precision=None)
+    enabled, deterministic, _, precision = torch.backends.mkldnn.set_flags(_fp32_precision=None)
     try:
         if backend == "sgemm":
             torch.backends.mkldnn.set_flags(_enabled=False, _fp32_precision=None)
         elif backend == "onednn_bf16_precision":
             torch.backends.mkldnn.set_flags(_fp32_precision="bf16")
         yield
-    finally:
-        torch.backends.mkldnn.set_flags(*saved)
+    finally:  # (allow_tf32 untouched: setting it warns on a torch without Intel GPU support)
+        torch.backends.mkldnn.set_flags(enabled, deterministic, None, precision)
 
 
 def _operand(rows: int, cols: int, layout: str, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -59,9 +59,9 @@ def _operand(rows: int, cols: int, layout: str, dtype: torch.dtype, gen: torch.G
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=_name)
-# (40, 16, 30000) and (20000, 8, 70): two blocks of columns, of rows (kWidenedBlockBytes).
+# (40, 16, 30000) and (20001, 8, 70): blocks of columns, of rows (kWidenedBlockBytes), the last one short.
 @pytest.mark.parametrize("M,K,N", [(1, 8, 3), (7, 48, 5), (113, 64, 80), (1025, 80, 17), (300, 700, 2100),
-                                   (40, 16, 30000), (20000, 8, 70)])
+                                   (40, 16, 30000), (20001, 8, 70)])
 # (contiguous, transposed) is x @ weight^T, the product oneDNN's inner product takes where torch has it.
 @pytest.mark.parametrize("layouts", [("contiguous", "contiguous"), ("transposed", "transposed"),
                                      ("contiguous", "transposed"), ("sliced", "transposed"),
@@ -92,6 +92,17 @@ def test_widened_products_names_the_route(backend: str) -> None:
     onednn = torch.backends.mkldnn.is_available() and backend == "onednn"
     with _float32_products(backend):
         assert ops.widened_products() == ("oneDNN" if onednn else "sgemm")
+
+
+def test_widened_products_keep_to_sgemm_where_onednn_would_round() -> None:
+    """oneDNN's environment can make its float32 products round (ONEDNN_DEFAULT_FPMATH_MODE): there the
+    widened blocks go to sgemm."""
+    code = "import torch, causal_attention; print(torch.ops.causal_attention.widened_products())"
+    strict = "oneDNN" if torch.backends.mkldnn.is_available() else "sgemm"
+    for mode, expected in (("BF16", "sgemm"), ("STRICT", strict)):
+        env = {**os.environ, "ONEDNN_DEFAULT_FPMATH_MODE": mode}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split()[-1] == expected, (mode, out.stdout, out.stderr)
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=_name)

@@ -38,8 +38,9 @@ def _exact(x: Tensor, w: Tensor, b: Tensor | None) -> tuple[Tensor, Tensor]:
     return exact, magnitude
 
 
-# Rows 1-8: a decode step; 9-64: still the streaming kernel; 65 and 70: the widened blocks.
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 33, 64, 65, 70])
+# Rows 1-8: a decode step; 9-64: still the streaming kernel; 65, 70: the widened blocks by columns; 140
+# (more rows than the 131 outputs): by rows.
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 33, 64, 65, 70, 140])
 @pytest.mark.parametrize("dtype", HALF, ids=_name)
 @pytest.mark.parametrize("bias", [False, True])
 def test_half_sums_are_float32_within_its_summation_bound(rows: int, dtype: torch.dtype, bias: bool) -> None:
