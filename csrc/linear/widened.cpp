@@ -159,7 +159,7 @@ at::Tensor sgemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bia
 }  // namespace
 
 void widened_blocks(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
-                    c10::function_ref<void(const at::Tensor& sums, int64_t row0, int64_t col0)> sink) {
+                    const at::Tensor& out) {
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
   // Blocks of rows where M >= N (b widened once, whole: up to twice its half size), of columns otherwise
   // (a widened once: a prompt's rows against a head's 50257 columns); a block's widened operand and its
@@ -185,9 +185,10 @@ void widened_blocks(const at::Tensor& a, const at::Tensor& b, const std::optiona
     const int64_t row0 = by_rows ? i0 : 0, col0 = by_rows ? 0 : i0;
     const at::Tensor bias_block = bias_f.defined() ? bias_f.narrow(0, col0, b_f.size(1)) : at::Tensor();
     // A column-major a (a weight gradient's x^T) goes to sgemm, which reads it transposed in place.
-    sink(onednn_linear.has_value() && a_f.is_contiguous() ? onednn(*onednn_linear, a_f, b_f.t(), bias_block)
-                                                          : sgemm(a_f, b_f, bias_block, buffer),
-         row0, col0);
+    const at::Tensor sums = onednn_linear.has_value() && a_f.is_contiguous()
+                                ? onednn(*onednn_linear, a_f, b_f.t(), bias_block)
+                                : sgemm(a_f, b_f, bias_block, buffer);
+    out.narrow(0, row0, sums.size(0)).narrow(1, col0, sums.size(1)).copy_(sums);
   }
 }
 
@@ -215,9 +216,7 @@ at::Tensor widened_addmm_cpu(const at::Tensor& a, const at::Tensor& b, const std
   if (K == 0) {
     return bias.has_value() ? out.copy_(bias->expand({M, N})) : out.zero_();
   }
-  widened_blocks(a, b, bias, [&](const at::Tensor& sums, int64_t row0, int64_t col0) {
-    out.narrow(0, row0, sums.size(0)).narrow(1, col0, sums.size(1)).copy_(sums);  // rounded once
-  });
+  widened_blocks(a, b, bias, out);  // rounded once
   return out;
 }
 

@@ -3,9 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <c10/util/FunctionRef.h>
 
-#include <cstdint>
 #include <optional>
 
 namespace causal_attention::kernels {
@@ -13,9 +11,9 @@ namespace causal_attention::kernels {
 // a (M, K) @ b (K, N) (+ bias (N,)), bfloat16 or half operands of any strides (one dtype; M, N, K > 0,
 // checked by the caller): each output the float32 sum of exact widenings. The operand of the shorter
 // outer dimension is widened once, whole (float32: twice its size), the other a block of rows (or
-// columns) at a time, and each block's float32 sums (rows, cols), at (row0, col0) of the product, go to
-// `sink` while they are in cache.
+// columns) at a time, and each block's float32 sums are copied into out (M, N) while they are in cache:
+// rounded once where out is bfloat16 / half, kept where it is float32.
 void widened_blocks(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
-                    c10::function_ref<void(const at::Tensor& sums, int64_t row0, int64_t col0)> sink);
+                    const at::Tensor& out);
 
 }  // namespace causal_attention::kernels
