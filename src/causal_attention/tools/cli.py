@@ -153,7 +153,7 @@ def _add_bench_half(command: _Command) -> argparse.ArgumentParser:
 
 def _add_bench_llama_cpp(command: _Command) -> argparse.ArgumentParser:
     bench = command("bench-llama-cpp", help="causal-attention-generate against llama.cpp (built from the "
-                    "llama-cpp-python sdist, needs PyPI) on a Llama-shaped model: prefill 512 and decode 128 at "
+                    "llama-cpp-python sdist, needs PyPI) on a Llama-shaped model or GPT-2 124M: prefill 512 and decode 128 at "
                     "batch 1 and 4, float32 / float16 / bfloat16, tokens/s and ratios, with a plot")
     bench.add_argument("--work", type=Path, default=Path("bench_out/llama_cpp_work"),
                        help="where llama.cpp is built and the models are kept (reused by later runs)")
@@ -161,6 +161,8 @@ def _add_bench_llama_cpp(command: _Command) -> argparse.ArgumentParser:
                        help="where to write bench_llama_cpp.json and bench_llama_cpp.png")
     bench.add_argument("--runs", type=_positive, default=3, help="runs per side, alternately (the best is kept)")
     bench.add_argument("--dtypes", nargs="+", choices=("f32", "f16", "bf16"), default=["f32", "f16", "bf16"])
+    bench.add_argument("--model", choices=("llama", "gpt2"), default="llama",
+                       help="the weights: a Llama-shaped 311M (hidden 2048, 32/8 heads, 4 layers) or GPT-2 124M")
     bench.add_argument("--quick", action="store_true", help="a tiny model (a smoke test)")
     return bench
 
@@ -259,7 +261,7 @@ def _run_bench_llama_cpp(args: argparse.Namespace, parser: argparse.ArgumentPars
     from .bench import llama_cpp
 
     llama_cpp.main(work=args.work, out_dir=args.out, runs=args.runs, threads=torch.get_num_threads(),
-                   quick=args.quick, dtypes=tuple(args.dtypes))
+                   quick=args.quick, dtypes=tuple(args.dtypes), model=args.model)
 
 
 def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -1,10 +1,12 @@
 """causal-attention-generate against llama.cpp on the same weights (not part of `make test`).
 
 Reproducible from nothing but PyPI: llama.cpp is built from the llama-cpp-python source
-distribution (which vendors it; `pip download --no-binary`), a Llama-shaped model of random weights
-is saved by transformers (with a small SentencePiece tokenizer so that llama.cpp's converter takes
-it) and converted with llama.cpp's own convert_hf_to_gguf.py into float32, float16 and bfloat16.
-Then, per dtype, on the same thread count:
+distribution (which vendors it; `pip download --no-binary`), a model of random weights is saved by
+transformers and converted with llama.cpp's own convert_hf_to_gguf.py into float32, float16 and
+bfloat16. The model (--model): a Llama-shaped one (with a small SentencePiece tokenizer so that
+llama.cpp's converter takes it), or GPT-2 124M (with a small byte-level BPE tokenizer of GPT-2's
+pre-tokenizer, named to the converter as "gpt-2": it recognises a tokenizer by the ids it gives a
+test text, which only GPT-2's own vocabulary reproduces). Then, per dtype, on the same thread count:
 
 - batch 1: prefill of 512 tokens, then 128 decode steps;
 - batch 4: four prompts of 512 tokens prefilled together, then 128 steps each;
@@ -14,7 +16,7 @@ ours by the program's --bench on the transformers directory as it is (the prefil
 chosen token, then the steps). Each side: the best of `runs`, run alternately. x = ours / llama.cpp
 tokens/s (above 1: ours is faster). The engine's and llama.cpp's instruction sets are printed.
 
-    python -m causal_attention bench-llama-cpp --work /tmp/llama_cpp_bench --out bench_out
+    python -m causal_attention bench-llama-cpp --work /tmp/llama_cpp_bench --out bench_out [--model gpt2]
 """
 
 from __future__ import annotations
@@ -39,7 +41,12 @@ FULL = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, num
             intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048, prefill=512, decode=128)
 QUICK = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2,
              intermediate_size=512, vocab_size=1000, max_position_embeddings=512, prefill=64, decode=16)
+# GPT-2 124M (transformers' GPT2Config names), the model of the issue-37 comparison.
+GPT2_FULL = dict(n_embd=768, n_head=12, n_layer=12, vocab_size=50257, n_positions=1024, prefill=512, decode=128)
+GPT2_QUICK = dict(n_embd=64, n_head=4, n_layer=2, vocab_size=1000, n_positions=256, prefill=64, decode=16)
+MODELS = {"llama": (FULL, QUICK), "gpt2": (GPT2_FULL, GPT2_QUICK)}
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+_RUN_ONLY = ("prefill", "decode")  # shape entries that are not the model's configuration
 
 
 @dataclass
@@ -87,33 +94,45 @@ def build_llama_cpp(work: Path, say: Callable[[str], None]) -> Path:
     return binary.parent
 
 
-def save_model(shape: dict, directory: Path, dtype: torch.dtype, say: Callable[[str], None]) -> Path:
-    """A LlamaForCausalLM of random weights in dtype, saved by transformers, with a SentencePiece
-    tokenizer.model (llama.cpp's converter reads the vocabulary from it, padded to vocab_size)."""
-    if (directory / "config.json").is_file() and (directory / "tokenizer.model").is_file():
+def save_model(model: str, shape: dict, directory: Path, dtype: torch.dtype, say: Callable[[str], None]) -> Path:
+    """A LlamaForCausalLM or GPT2LMHeadModel of random weights in dtype, saved by transformers, with a small
+    tokenizer of its kind (llama.cpp's converter reads the vocabulary from it, padded to vocab_size)."""
+    done = directory / "tokenizer.model" if model == "llama" else directory / "tokenizer.json"
+    if (directory / "config.json").is_file() and done.is_file():
         return directory
     import transformers
 
-    config = transformers.LlamaConfig(**{k: v for k, v in shape.items() if k not in ("prefill", "decode")},
-                                      bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    options = {k: v for k, v in shape.items() if k not in _RUN_ONLY}
     torch.manual_seed(0)
-    say(f"saving a {dtype} Llama ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}) to {directory}")
-    model = transformers.LlamaForCausalLM(config).to(dtype)
-    model.generation_config.eos_token_id = None  # generation runs its full length on both sides
-    model.save_pretrained(str(directory))
-    _tokenizer(directory)
+    if model == "llama":
+        config = transformers.LlamaConfig(**options, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                                          tie_word_embeddings=False)
+        say(f"saving a {dtype} Llama ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}) to {directory}")
+        net = transformers.LlamaForCausalLM(config)
+    else:
+        # n_ctx: GPT-2's own config.json carries it, and llama.cpp's converter reads it
+        config = transformers.GPT2Config(**options, n_ctx=options["n_positions"], bos_token_id=None, eos_token_id=None)
+        say(f"saving a {dtype} GPT-2 ({shape['n_layer']} layers, hidden {shape['n_embd']}) to {directory}")
+        net = transformers.GPT2LMHeadModel(config)
+    net = net.to(dtype)
+    net.generation_config.eos_token_id = None  # generation runs its full length on both sides
+    net.save_pretrained(str(directory))
+    (_sentencepiece_tokenizer if model == "llama" else _byte_level_tokenizer)(directory)
     return directory
 
 
-def _tokenizer(directory: Path) -> None:
-    import sentencepiece
-
-    text = directory / "spm_corpus.txt"
+def _corpus() -> list[str]:
     words = ("the of and to in is that it was for on are as with his they at be this from have or by one had not but "
              "what all were when we there can an your which their said if do will each about how up out them then").split()
     gen = torch.Generator().manual_seed(0)
-    text.write_text("\n".join(" ".join(words[i] for i in torch.randint(0, len(words), (12,), generator=gen))
-                              for _ in range(2000)))
+    return [" ".join(words[i] for i in torch.randint(0, len(words), (12,), generator=gen)) for _ in range(2000)]
+
+
+def _sentencepiece_tokenizer(directory: Path) -> None:
+    import sentencepiece
+
+    text = directory / "spm_corpus.txt"
+    text.write_text("\n".join(_corpus()))
     sentencepiece.SentencePieceTrainer.train(input=str(text), model_prefix=str(directory / "tokenizer"),
                                              vocab_size=150, hard_vocab_limit=False, model_type="bpe",
                                              minloglevel=2)
@@ -121,9 +140,37 @@ def _tokenizer(directory: Path) -> None:
     text.unlink()
 
 
-def convert(source: Path, hf_dir: Path, outtype: str, gguf: Path, say: Callable[[str], None]) -> Path:
+def _byte_level_tokenizer(directory: Path) -> None:
+    """GPT-2's kind of tokenizer (byte-level BPE, GPT-2's pre-tokenizer regex), 400 tokens, saved as
+    transformers saves one (tokenizer.json and its config)."""
+    import tokenizers
+    import transformers
+
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(_corpus(), trainer)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(str(directory))
+
+
+# The converter's entry with its pre-tokenizer check answered: the byte-level tokenizer above splits text
+# as GPT-2's does, so "gpt-2" is what it is (the check hashes the ids of GPT-2's own vocabulary).
+_CONVERT_GPT2 = """import runpy, sys
+sys.path.insert(0, sys.argv[1])
+import conversion.base
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+script = sys.argv[1] + "/convert_hf_to_gguf.py"
+sys.argv = [script] + sys.argv[2:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def convert(model: str, source: Path, hf_dir: Path, outtype: str, gguf: Path, say: Callable[[str], None]) -> Path:
     if not gguf.is_file():
-        _run([sys.executable, source / "convert_hf_to_gguf.py", hf_dir, "--outfile", gguf, "--outtype", outtype], say)
+        entry = [source / "convert_hf_to_gguf.py"] if model == "llama" else ["-c", _CONVERT_GPT2, source]
+        _run([sys.executable, *entry, hf_dir, "--outfile", gguf, "--outtype", outtype], say)
     return gguf
 
 
@@ -163,10 +210,12 @@ def our_rates(hf_dir: Path, shape: dict, batch: int, threads: int, say: Callable
 
 
 def main(*, work: Path, out_dir: Path, runs: int, threads: int, quick: bool = False,
-         dtypes: tuple[str, ...] = tuple(DTYPES)) -> list[Row]:
+         dtypes: tuple[str, ...] = tuple(DTYPES), model: str = "llama") -> list[Row]:
+    if model not in MODELS:
+        raise ValueError(f"bench-llama-cpp: model must be one of {sorted(MODELS)}, got {model!r}")
     console = Console(stderr=True)
     say = console.print
-    shape = QUICK if quick else FULL
+    shape = MODELS[model][1 if quick else 0]
     work.mkdir(parents=True, exist_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     for module in ("sentencepiece", "yaml"):  # llama.cpp's converter and the tokenizer above need them
@@ -181,8 +230,9 @@ def main(*, work: Path, out_dir: Path, runs: int, threads: int, quick: bool = Fa
     say(f"engine ISA: {torch.ops.causal_attention.cpu_capability()}; {threads} threads")
     rows: list[Row] = []
     for name in dtypes:
-        hf_dir = save_model(shape, work / f"model_{'quick_' if quick else ''}{name}", DTYPES[name], say)
-        gguf = convert(source, hf_dir, name, work / f"model_{'quick_' if quick else ''}{name}.gguf", say)
+        stem = f"{'' if model == 'llama' else model + '_'}model_{'quick_' if quick else ''}{name}"
+        hf_dir = save_model(model, shape, work / stem, DTYPES[name], say)
+        gguf = convert(model, source, hf_dir, name, work / f"{stem}.gguf", say)
         for batch in (1, 4):
             best = {"ours": [0.0, 0.0], "llama_cpp": [0.0, 0.0]}
             for _ in range(runs):  # alternately, best of runs
@@ -194,23 +244,25 @@ def main(*, work: Path, out_dir: Path, runs: int, threads: int, quick: bool = Fa
                 rows.append(Row(name, batch, phase, best["ours"][i], best["llama_cpp"][i]))
                 r = rows[-1]
                 say(f"{name} B={batch} {phase}: ours {r.ours:.1f} tokens/s, llama.cpp {r.llama_cpp:.1f} ({r.ratio:.2f}x)")
-    _report(rows, shape, threads, out_dir)
+    _report(rows, model, shape, threads, out_dir)
     return rows
 
 
-def _report(rows: list[Row], shape: dict, threads: int, out_dir: Path) -> None:
+def _report(rows: list[Row], model: str, shape: dict, threads: int, out_dir: Path) -> None:
     from rich.table import Table
 
     isa = torch.ops.causal_attention.cpu_capability()
-    table = Table(title=f"causal-attention-generate vs llama.cpp, {threads} threads, engine ISA {isa}, prefill "
-                        f"{shape['prefill']} + decode {shape['decode']}")
+    name = {"llama": "Llama-shaped model", "gpt2": "GPT-2"}[model]
+    suffix = "" if model == "llama" else "_" + model
+    table = Table(title=f"causal-attention-generate vs llama.cpp, {name}, {threads} threads, engine ISA {isa}, "
+                        f"prefill {shape['prefill']} + decode {shape['decode']}")
     for column in ("dtype", "batch", "phase", "ours tokens/s", "llama.cpp tokens/s", "x"):
         table.add_column(column, justify="right")
     for r in rows:
         table.add_row(r.dtype, str(r.batch), r.phase, f"{r.ours:.1f}", f"{r.llama_cpp:.1f}", f"{r.ratio:.2f}")
     Console().print(table)
-    (out_dir / "bench_llama_cpp.json").write_text(json.dumps(
-        {"isa": isa, "threads": threads, "shape": shape, "llama_cpp_python": LLAMA_CPP_PYTHON,
+    (out_dir / f"bench_llama_cpp{suffix}.json").write_text(json.dumps(
+        {"isa": isa, "threads": threads, "model": model, "shape": shape, "llama_cpp_python": LLAMA_CPP_PYTHON,
          "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}, indent=2))
     import matplotlib
 
@@ -225,7 +277,7 @@ def _report(rows: list[Row], shape: dict, threads: int, out_dir: Path) -> None:
     ax.set_xticks(list(xs), labels, fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("tokens/s")
-    ax.set_title(f"Llama-shaped model, {threads} threads, ISA {isa}")
+    ax.set_title(f"{name}, {threads} threads, ISA {isa}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out_dir / "bench_llama_cpp.png", dpi=120)
+    fig.savefig(out_dir / f"bench_llama_cpp{suffix}.png", dpi=120)
