@@ -103,6 +103,10 @@ def test_bench_at_tiny_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         base = next(b for b in rows if (b["level"], b["dtype"], b["T"], b["mask"], b["impl"])
                     == (r["level"], r["dtype"], r["T"], r["mask"], r["baseline"]))
         assert r["fwd_speedup"] == pytest.approx(base["fwd_ms"] / r["fwd_ms"], rel=1e-9)
+        # Of the ceiling's n x n product timed in the same round (one round here: a plain ratio of rates).
+        n = report["mm_n"][r["dtype"]]
+        assert r["fwd_ceiling_fraction"] == pytest.approx(
+            r["fwd_gflops"] / (2 * n**3 / (r["ceiling_ms"] / 1e3) / 1e9), rel=1e-9)
 
     # Peak memory at the one length asked for.
     assert [m["T"] for m in report["memory"]] == [32]
@@ -180,15 +184,20 @@ def test_bench_flex_rows(tmp_path: Path) -> None:
 
 
 def test_bench_rows_take_speedups_round_by_round() -> None:
-    from causal_attention.tools.bench.kernel import _rows
+    from causal_attention.tools.bench.kernel import CEILING, _rows
 
     # ours is twice as fast as the baseline in every round while the machine's speed drifts 10x
     # between rounds, but for one round where only ours was disturbed; the ratio of the two medians
-    # (taken from different rounds) says 0.24x.
-    fwd = {"sdpa(bool mask)": [1.0, 10.0, 1.1, 9.0, 0.9], "ours": [0.5, 5.0, 0.55, 4.5, 5.0]}
+    # (taken from different rounds) says 0.24x. The ceiling's product (as many FLOPs as ours) runs
+    # in 40% of ours' time in every round but one, where only it was disturbed.
+    fwd = {"sdpa(bool mask)": [1.0, 10.0, 1.1, 9.0, 0.9], "ours": [0.5, 5.0, 0.55, 4.5, 5.0],
+           CEILING: [0.2, 2.0, 5.0, 1.8, 2.0]}
     fwd_bwd = {"sdpa(bool mask)": [3.0, 30.0, 2.0], "ours": [1.0, 10.0, 20.0]}
-    rows = {r.impl: r for r in _rows("kernel", torch.float32, 64, "padded", fwd, fwd_bwd, 1e9, 100.0,
+    rows = {r.impl: r for r in _rows("kernel", torch.float32, 64, "padded", fwd, fwd_bwd, 1e9, 1e9,
                                      "sdpa(bool mask)")}
+    assert set(rows) == {"sdpa(bool mask)", "ours"}  # the ceiling is no row of its own
+    assert rows["ours"].fwd_ceiling_fraction == pytest.approx(0.4)  # round by round
+    assert rows["ours"].ceiling_ms == pytest.approx(statistics.median(fwd[CEILING]) * 1e3)
     assert rows["ours"].fwd_speedup == pytest.approx(2.0)
     assert statistics.median(fwd["sdpa(bool mask)"]) / statistics.median(fwd["ours"]) == pytest.approx(1.1 / 4.5)
     assert rows["ours"].fwd_ms == pytest.approx(statistics.median(fwd["ours"]) * 1e3)  # times stay medians

@@ -13,7 +13,9 @@ actually computes, so GFLOP/s compare like with like):
 - attention backward: 2.5x the forward (five T x T products instead of two);
 - the module adds its projections, 8*B*T*dim^2 forward (qkv: 6*B*T*dim^2, proj: 2*B*T*dim^2);
 - the ceiling is a large n x n torch.mm (2*n^3 FLOPs; n up to 2048, see mm_ceiling) at the same
-  dtype, timed in the same run; a row's "of mm" is its forward GFLOP/s over that. For bfloat16 it is
+  dtype, timed in every round of the rows' own forward timings; a row's "of mm" is the median over
+  those rounds of its forward GFLOP/s over the product's in the same round (a ceiling measured once,
+  at another moment, moved the fraction by 70-93% on a shared machine). For bfloat16 it is
   the faster of torch's bfloat16 mm and its float32 mm: a bfloat16 product is exactly a float32
   product of the widened operands, so the hardware's bfloat16 ceiling is never below sgemm's (on a
   CPU without bfloat16 dot products, torch's bfloat16 mm runs far below it);
@@ -64,6 +66,8 @@ from .report import interleaved_medians, interleaved_times, medians, paired_rati
 
 # Materialising B*H*T*T scores (reference, nn.MultiheadAttention) past this length costs many GB.
 MATERIALISING_MAX_T = 2048
+# The ceiling's product among a group's timings (not a row of its own).
+CEILING = "torch.mm (ceiling)"
 
 
 @dataclass
@@ -78,7 +82,8 @@ class Row:
     fwd_speedup: float = 1.0  # baseline time / this time: the median of the rounds' ratios (paired_ratio)
     fwd_bwd_speedup: float | None = None
     fwd_gflops: float = 0.0
-    fwd_ceiling_fraction: float = 0.0
+    fwd_ceiling_fraction: float = 0.0  # of the ceiling's product timed in the same rounds (median of rounds)
+    ceiling_ms: float = 0.0  # that product's median time in those rounds
     baseline: str = ""
 
 
@@ -119,7 +124,8 @@ def mm_ceiling(dtype: torch.dtype, repeats: int = 5, *, max_n: int = 2048, enoug
         if n >= max_n or time.perf_counter() - start >= enough_s:
             break
         n *= 2
-    seconds = interleaved_medians({"mm": lambda: torch.mm(a, b)}, repeats=repeats)["mm"]
+    c = torch.empty(n, n, dtype=dtype)
+    seconds = interleaved_medians({"mm": lambda: torch.mm(a, b, out=c)}, repeats=repeats)["mm"]
     return 2 * n**3 / seconds / 1e9, n
 
 
@@ -241,12 +247,23 @@ def _module_impls(T: int, dim: int, H: int, mask: Tensor | None, dtype: torch.dt
     return impls
 
 
+def _ceiling_product(report: Report, dtype: torch.dtype) -> tuple[Callable[[Tensor], Tensor], float]:
+    """The dtype's ceiling product as a timed function (its argument ignored) and its FLOPs: the n x n
+    torch.mm that measured report.mm_gflops (float32's where that is bfloat16's ceiling)."""
+    n = report.mm_n[_name(dtype)]
+    mm_dtype = torch.float32 if _name(dtype) in report.mm_source else dtype
+    a, b, c = torch.randn(n, n, dtype=mm_dtype), torch.randn(n, n, dtype=mm_dtype), torch.empty(n, n, dtype=mm_dtype)
+    return (lambda _: torch.mm(a, b, out=c)), 2.0 * n**3  # into one buffer: no page faults timed
+
+
 def _rows(level: str, dtype: torch.dtype, T: int, mask_name: str, fwd_times: dict[str, list[float]],
-          fwd_bwd_times: dict[str, list[float]] | None, flops: float, mm_gflops: float, baseline: str) -> list[Row]:
+          fwd_bwd_times: dict[str, list[float]] | None, flops: float, ceiling_flops: float, baseline: str) -> list[Row]:
     """A row per implementation: median times, and speed-ups against the baseline round by round
     (paired_ratio: the machine's drift between rounds cancels, where a ratio of two medians taken
-    from different rounds kept it)."""
-    fwd = medians(fwd_times)
+    from different rounds kept it); fwd_times holds the ceiling's product (CEILING) in the same rounds,
+    each row's fraction of it taken round by round too."""
+    fwd = medians({k: v for k, v in fwd_times.items() if k != CEILING})
+    ceiling_ms = medians(fwd_times)[CEILING] * 1e3
     fwd_bwd = None if fwd_bwd_times is None else medians(fwd_bwd_times)
     rows = []
     for impl, t in fwd.items():
@@ -255,7 +272,8 @@ def _rows(level: str, dtype: torch.dtype, T: int, mask_name: str, fwd_times: dic
             level=level, dtype=_name(dtype), T=T, mask=mask_name, impl=impl, fwd_ms=t * 1e3,
             fwd_bwd_ms=None if tb is None else tb * 1e3, fwd_speedup=paired_ratio(fwd_times, baseline, impl),
             fwd_bwd_speedup=None if fwd_bwd_times is None or tb is None else paired_ratio(fwd_bwd_times, baseline, impl),
-            fwd_gflops=flops / t / 1e9, fwd_ceiling_fraction=flops / t / 1e9 / mm_gflops, baseline=baseline,
+            fwd_gflops=flops / t / 1e9, fwd_ceiling_fraction=paired_ratio(fwd_times, CEILING, impl) * flops / ceiling_flops,
+            ceiling_ms=ceiling_ms, baseline=baseline,
         ))
     return rows
 
@@ -298,23 +316,23 @@ def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repe
             baseline = "sdpa(is_causal)" if mask is None else "sdpa(bool mask)"
             qkv = torch.randn(B, T, 3 * dim, dtype=dtype)
             impls = _kernel_impls(T, H, hd, mask, B=B if flex else None)
+            ceiling, ceiling_flops = _ceiling_product(report, dtype)
             with torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096):
-                fwd = _timed(impls, qkv, repeats, backward=False)
+                fwd = _timed({**impls, CEILING: ceiling}, qkv, repeats, backward=False)
             trainable = {k: fn for k, fn in impls.items() if k not in FORWARD_ONLY}
             # As many rounds as the forward: fewer left the fwd+bwd ratios unstable from run to run.
             fb = _timed(trainable, qkv, repeats, backward=True) if backward else None
-            mm_gflops = report.mm_gflops[_name(dtype)]
-            report.rows += _rows("kernel", dtype, T, mask_name, fwd, fb, attn_flops, mm_gflops, baseline)
+            report.rows += _rows("kernel", dtype, T, mask_name, fwd, fb, attn_flops, ceiling_flops, baseline)
             if not module:
                 progress.advance(task)
                 continue
             x = torch.randn(B, T, dim, dtype=dtype)
             mimpls = _module_impls(T, dim, H, mask, dtype)
             mbase = "nn.MultiheadAttention" if "nn.MultiheadAttention" in mimpls else "ours"
-            fwd = _timed(mimpls, x, repeats, backward=False)
+            fwd = _timed({**mimpls, CEILING: ceiling}, x, repeats, backward=False)
             fb = _timed(mimpls, x, max(3, repeats // 2), backward=True) if backward else None
             report.rows += _rows("module", dtype, T, mask_name, fwd, fb, attn_flops + 8 * B * T * dim * dim,
-                                 mm_gflops, mbase)
+                                 ceiling_flops, mbase)
             progress.advance(task)
         for T in memory_lengths:
             progress.update(task, description=f"memory T={T}")
@@ -509,7 +527,8 @@ def peak_extra_mb(impl: str, B: int, T: int, H: int, hd: int) -> float:
 def print_report(report: Report, console: Console | None = None) -> None:
     console = console or Console(width=max(Console().width, 160))
     console.print(f"B={report.B} H={report.H} head_dim={report.hd}, {report.threads} threads, kernel ISA "
-                  f"{report.capability}; ceiling: torch.mm "
+                  f"{report.capability}; ceiling: torch.mm (as measured first; each row's \"of mm\" is against it in the "
+                  "row's own rounds) "
                   + ", ".join(f"{dt} {v:.0f} GFLOP/s (n={report.mm_n[dt]}"
                               + (f"; {report.mm_source[dt]})" if dt in report.mm_source else ")")
                               for dt, v in report.mm_gflops.items())
