@@ -145,6 +145,8 @@ struct TileOps {
   // Where pair_gemm runs: out[r] = x[r, :] . y[r, :] (rows of n bfloat16, n even), summed pair by pair
   // as pair_gemm sums (so that the backward's delta = dO . O cancels dP = dO . v where O = v).
   void (*pair_dots)(const scalar_t* x, const scalar_t* y, int64_t rows, int64_t n, acc_t* out);
+  // Where pair_gemm runs: the instructions it sums with ("AMX-BF16 tiles" or "AVX512-BF16 pairs").
+  const char* pair_isa = nullptr;
 
   // float32 on AVX2 and AVX512 (else nullptr: the tile products go to BLAS; for bfloat16 / half the float32 one
   // runs on operands widened by their pack_panels and widen). C (m x n, ldc) = A . B, or C += A . B

@@ -7,9 +7,16 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu/tile_ops.h"
@@ -47,6 +54,60 @@ void plant_denormals(torch::Tensor& x, int64_t rows, int64_t cols) {
 BFloat16 panel_value(const std::vector<BFloat16>& dst, int64_t k, int64_t p, int64_t j, int64_t half) {
   const int64_t ps = 2 * ceil_div(k, 2) * tile::kPanel;
   return dst[(j / tile::kPanel) * ps + p * 2 * tile::kPanel + 2 * (j % tile::kPanel) + half];
+}
+
+// The AVX512 table with ONEDNN_MAX_CPU_ISA set to isa (nullopt: unset) while it is built.
+tile::TileOps<BFloat16> table_with_isa(const std::optional<std::string>& isa) {
+  const char* old = std::getenv("ONEDNN_MAX_CPU_ISA");
+  const std::optional<std::string> saved = old != nullptr ? std::optional<std::string>(old) : std::nullopt;
+  if (isa) {
+    setenv("ONEDNN_MAX_CPU_ISA", isa->c_str(), 1);
+  } else {
+    unsetenv("ONEDNN_MAX_CPU_ISA");
+  }
+  auto ops = tile::AVX512::tile_ops_bfloat16();
+  if (saved) {
+    setenv("ONEDNN_MAX_CPU_ISA", saved->c_str(), 1);
+  } else {
+    unsetenv("ONEDNN_MAX_CPU_ISA");
+  }
+  return ops;
+}
+
+// The pair kernels this CPU runs: vdpbf16ps's, and AMX's where the CPU and the OS allow them.
+std::vector<std::pair<std::string, tile::TileOps<BFloat16>>> pair_tables() {
+  std::vector<std::pair<std::string, tile::TileOps<BFloat16>>> tables{
+      {"AVX512-BF16", table_with_isa("AVX512_CORE_BF16")}};
+  auto all = table_with_isa(std::nullopt);
+  if (all.pair_gemm != tables[0].second.pair_gemm) {
+    tables.emplace_back("AMX-BF16", all);
+  }
+  return tables;
+}
+
+// Whether this process may use AMX-BF16 tiles (the CPU has them and Linux grants their state).
+bool amx_granted() {
+  return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+         syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+
+// AMX where the CPU and the OS have it, unless ONEDNN_MAX_CPU_ISA holds oneDNN (and so the engine)
+// below AMX; vdpbf16ps otherwise.
+TEST(PairGemm, TilesWhereTheCpuHasAmx) {
+  if (!has_avx512_bf16()) {
+    GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  }
+  const auto held = table_with_isa("AVX512_CORE_BF16");
+  const auto all = table_with_isa(std::nullopt);
+  const auto amx = table_with_isa("AVX512_CORE_AMX");
+  EXPECT_EQ(held.pair_gemm, table_with_isa("AVX2").pair_gemm);
+  if (!amx_granted()) {
+    EXPECT_EQ(all.pair_gemm, held.pair_gemm);
+    GTEST_SKIP() << "this CPU (or this kernel) has no AMX-BF16";
+  }
+  EXPECT_NE(all.pair_gemm, held.pair_gemm);
+  EXPECT_NE(all.pair_dots, held.pair_dots);
+  EXPECT_EQ(amx.pair_gemm, all.pair_gemm);
 }
 
 TEST(PairGemm, OnlyWhereTheCpuHasAvx512Bf16) {
@@ -296,19 +357,26 @@ TEST(PairGemm, MatchesTheProductOfTheRoundedOperands) {
   if (!has_avx512_bf16()) {
     GTEST_SKIP() << "this CPU has no AVX512-BF16";
   }
-  const auto ops = tile::AVX512::tile_ops_bfloat16();
-  torch::manual_seed(0);
-  for (const int64_t m : {1, 5, 11, 12, 13, 64}) {
-    for (const int64_t n : {1, 15, 16, 17, 32, 40, 64}) {
-      for (const int64_t k : {1, 2, 7, 64, 129}) {
-        for (const bool trans_a : {false, true}) {
-          for (const bool b_from_columns : {false, true}) {
-            for (const bool accumulate : {false, true}) {
-              for (const bool integers : {false, true}) {
-                check_case(ops, {m, n, k, trans_a, b_from_columns, accumulate, integers});
-                if (k % 2 == 0) {
-                  check_case(ops, {m, n, k, trans_a, b_from_columns, accumulate, integers, 2});
-                  check_case(ops, {m, n, k, trans_a, b_from_columns, accumulate, integers, 3});
+  for (const auto& [name, ops] : pair_tables()) {
+    SCOPED_TRACE(name);
+    torch::manual_seed(0);
+    // AMX: row tiles of 16 (whole, partial, two at a time), chunks of 16 pairs (k 32, 64, 129: one, two,
+    // four and a pair on vdpbf16ps), the 16 chunks it packs on the stack (k 512) and past them (k 544).
+    for (const int64_t m : {1, 5, 11, 12, 13, 16, 33, 64}) {
+      for (const int64_t n : {1, 15, 16, 17, 32, 40, 64}) {
+        for (const int64_t k : {1, 2, 7, 32, 64, 129, 512, 544}) {
+          if (k >= 512 && m > 16) {
+            continue;
+          }
+          for (const bool trans_a : {false, true}) {
+            for (const bool b_from_columns : {false, true}) {
+              for (const bool accumulate : {false, true}) {
+                for (const bool integers : {false, true}) {
+                  check_case(ops, {m, n, k, trans_a, b_from_columns, accumulate, integers});
+                  if (k % 2 == 0) {
+                    check_case(ops, {m, n, k, trans_a, b_from_columns, accumulate, integers, 2});
+                    check_case(ops, {m, n, k, trans_a, b_from_columns, accumulate, integers, 3});
+                  }
                 }
               }
             }
@@ -325,29 +393,31 @@ TEST(PairGemm, PairDotsSumLikeTheKernel) {
   if (!has_avx512_bf16()) {
     GTEST_SKIP() << "this CPU has no AVX512-BF16";
   }
-  const auto ops = tile::AVX512::tile_ops_bfloat16();
-  torch::manual_seed(0);
-  for (const int64_t n : {2, 8, 64, 80, 130}) {
-    const int64_t rows = 9;
-    const auto x = (torch::randn({rows, n}) * 30).to(torch::kBFloat16);
-    const auto y = (torch::randn({rows, n}) * 30).to(torch::kBFloat16);
-    std::vector<float> dots(rows);
-    ops.pair_dots(x.const_data_ptr<BFloat16>(), y.const_data_ptr<BFloat16>(), rows, n, dots.data());
-    for (int64_t r = 0; r < rows; ++r) {
-      // Row r of x against y's row r as a one-column B (k = n).
-      std::vector<BFloat16> packed(tile::kPanel * n);
-      ops.pair_panels(y.const_data_ptr<BFloat16>() + r * n, 1, n, n, 1, packed.data());
-      float c = std::numeric_limits<float>::quiet_NaN();
-      ops.pair_gemm(1, 1, n / 2, x.const_data_ptr<BFloat16>() + r * n, n, 2, packed.data(), n * tile::kPanel, false,
-                    &c, 1);
-      uint32_t got = 0;
-      uint32_t want = 0;
-      std::memcpy(&got, &dots[r], sizeof(got));
-      std::memcpy(&want, &c, sizeof(want));
-      EXPECT_EQ(got, want) << "n " << n << " row " << r << ": " << dots[r] << " vs " << c;
-      const double exact = (x[r].to(torch::kFloat64) * y[r].to(torch::kFloat64)).sum().item<double>();
-      const double scale = (x[r].to(torch::kFloat64) * y[r].to(torch::kFloat64)).abs().sum().item<double>();
-      EXPECT_LE(std::abs(dots[r] - exact), static_cast<double>(n + 1) * std::ldexp(1.0, -24) * scale) << n;
+  for (const auto& [name, ops] : pair_tables()) {
+    SCOPED_TRACE(name);
+    torch::manual_seed(0);
+    for (const int64_t n : {2, 8, 64, 80, 130}) {
+      const int64_t rows = 37;  // AMX: two whole tiles of 16 rows and a partial one
+      const auto x = (torch::randn({rows, n}) * 30).to(torch::kBFloat16);
+      const auto y = (torch::randn({rows, n}) * 30).to(torch::kBFloat16);
+      std::vector<float> dots(rows);
+      ops.pair_dots(x.const_data_ptr<BFloat16>(), y.const_data_ptr<BFloat16>(), rows, n, dots.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        // Row r of x against y's row r as a one-column B (k = n).
+        std::vector<BFloat16> packed(tile::kPanel * n);
+        ops.pair_panels(y.const_data_ptr<BFloat16>() + r * n, 1, n, n, 1, packed.data());
+        float c = std::numeric_limits<float>::quiet_NaN();
+        ops.pair_gemm(1, 1, n / 2, x.const_data_ptr<BFloat16>() + r * n, n, 2, packed.data(), n * tile::kPanel, false,
+                      &c, 1);
+        uint32_t got = 0;
+        uint32_t want = 0;
+        std::memcpy(&got, &dots[r], sizeof(got));
+        std::memcpy(&want, &c, sizeof(want));
+        EXPECT_EQ(got, want) << "n " << n << " row " << r << ": " << dots[r] << " vs " << c;
+        const double exact = (x[r].to(torch::kFloat64) * y[r].to(torch::kFloat64)).sum().item<double>();
+        const double scale = (x[r].to(torch::kFloat64) * y[r].to(torch::kFloat64)).abs().sum().item<double>();
+        EXPECT_LE(std::abs(dots[r] - exact), static_cast<double>(n + 1) * std::ldexp(1.0, -24) * scale) << n;
+      }
     }
   }
 }

@@ -1,9 +1,17 @@
-// The bfloat16 pair GEMM (AVX512-BF16): its micro-kernel, the packing of its operands and the
-// backward's steps that write them rounded (AVX512 build; chosen only where the CPU has AVX512-BF16).
+// The bfloat16 pair GEMM (AVX512-BF16, and AMX-BF16 tiles where the CPU and the OS allow them): its
+// micro-kernels, the packing of its operands and the backward's steps that write them rounded (AVX512
+// build; chosen only where the CPU has AVX512-BF16).
 #include "attention/cpu/zmm_gemm.h"
 #include "cpu/bf16_pairs.h"
 #include "cpu/families.h"
 #include "cpu/vec.h"
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string_view>
+#include <vector>
 
 namespace causal_attention::tile::CPU_CAPABILITY {
 namespace {
@@ -255,6 +263,262 @@ void pair_gemm(int64_t m, int64_t n, int64_t k2, const c10::BFloat16* a, int64_t
                const c10::BFloat16* b, int64_t ps_b, bool accumulate, float* c, int64_t ldc) {
   zmm_gemm<PairBlocks>(m, n, k2, a, rs_a, cs_a, b, 2 * kPanel, ps_b, accumulate, c, ldc);
 }
+
+// ---- AMX-BF16 -------------------------------------------------------------------------------------
+// A tile is 16 rows of 64 bytes: 16 pairs of an A row, 16 pairs (rows) of a B panel, or 16 float32 of
+// C. tdpbf16ps adds the 16 pairs' products of a row and a column to C's float32 sums, as vdpbf16ps
+// does, though not with the same roundings (measured: ~14% of sums differ in the last bit), so a
+// call sums its pairs in one fixed way whatever its shape: the first whole chunks of 16 pairs on
+// tiles, the rest of k2 on vdpbf16ps from those sums. pair_dots_amx sums the same way.
+#define CA_AMX_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
+
+inline constexpr int64_t kTileRows = 16;
+inline constexpr int64_t kTileElems = kTileRows * 2 * kPanel;  // bfloat16 of an A or B tile
+// A row block's packed pairs live on the stack: calls with more pairs than this run on vdpbf16ps.
+inline constexpr int64_t kAmxMaxChunks = 16;
+
+// Whether this process may use AMX-BF16 tiles: the CPU has them and Linux grants the tile state
+// (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA; once per process, for every thread).
+bool amx_bf16_granted() {
+  static const bool granted = [] {
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) {
+      return false;
+    }
+    constexpr long kReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+// Whether the pair GEMM runs on AMX tiles: granted, and not held back by ONEDNN_MAX_CPU_ISA (the
+// variable that holds torch's oneDNN to an instruction set: below AMX it holds ours there too).
+bool use_amx_bf16() {
+  const char* isa = std::getenv("ONEDNN_MAX_CPU_ISA");
+  if (isa != nullptr && *isa != '\0') {
+    const std::string_view v(isa);
+    if (v.find("AMX") == std::string_view::npos && v.find("amx") == std::string_view::npos && v != "ALL" &&
+        v != "all" && v != "DEFAULT" && v != "default") {
+      return false;
+    }
+  }
+  return amx_bf16_granted();
+}
+
+// Palette 1, eight 16 x 64-byte tiles: tmm0..3 C (row tile r, panel q: 2r + q), tmm4..5 A (row tile
+// 0, 1), tmm6..7 B (panel 0, 1). Loading it zeroes every tile.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+CA_AMX_TARGET inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = kTileRows;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Where a row tile's A comes from: rows of the caller's A (rs_a apart, pairs adjacent) or the packed
+// tiles (16 x 16 pairs each, chunk after chunk).
+struct ATiles {
+  const c10::BFloat16* x;
+  int64_t stride_bytes;
+  int64_t chunk_step;  // elements from one chunk of 16 pairs to the next
+};
+
+// Rows i0.. (up to 16) of A over `chunks` chunks of 16 pairs as tiles at dst: pair (i, p) of A is at
+// a + i * rs_a + p * cs_a; rows past `rows` zero.
+CA_AMX_TARGET void pack_a_tiles(const c10::BFloat16* a, int64_t rs_a, int64_t cs_a, int64_t rows, int64_t chunks,
+                                c10::BFloat16* dst) {
+  const __mmask16 valid = lanes16(rows);
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    c10::BFloat16* tile = dst + ch * kTileElems;
+    if (cs_a == 2) {  // each row's 16 pairs are adjacent
+      for (int64_t i = 0; i < kTileRows; ++i) {
+        const __m512i row = i < rows ? _mm512_loadu_si512(a + i * rs_a + ch * 2 * kTileRows) : _mm512_setzero_si512();
+        _mm512_storeu_si512(tile + i * 2 * kPanel, row);
+      }
+    } else if (rs_a == 2) {  // a pair row p holds the pairs of consecutive rows: transpose 16 x 16 pairs
+      __m512i r[16];
+      for (int64_t p = 0; p < kTileRows; ++p) {
+        r[p] = _mm512_maskz_loadu_epi32(valid, a + (ch * kTileRows + p) * cs_a);
+      }
+      transpose_16x16_epi32(r, tile);
+    } else {
+      for (int64_t i = 0; i < kTileRows; ++i) {
+        for (int64_t p = 0; p < kTileRows; ++p) {
+          uint32_t pair = 0;
+          if (i < rows) {
+            std::memcpy(&pair, a + i * rs_a + (ch * kTileRows + p) * cs_a, sizeof(pair));
+          }
+          std::memcpy(tile + i * 2 * kPanel + 2 * p, &pair, sizeof(pair));
+        }
+      }
+    }
+  }
+}
+
+// Where C tile for rows x cols of c (ldc) loads from: c itself (a whole tile) or tmp, which holds the
+// real cells and zeros; nullptr: it starts at zero. (The tile intrinsics name their tile by a literal.)
+CA_AMX_TARGET inline const float* c_source(bool accumulate, const float* c, int64_t ldc, int64_t rows, int64_t cols,
+                                           float* tmp, int64_t& stride_bytes) {
+  if (!accumulate) {
+    return nullptr;
+  }
+  if (rows == kTileRows && cols == kPanel) {
+    stride_bytes = ldc * static_cast<int64_t>(sizeof(float));
+    return c;
+  }
+  const __mmask16 mask = lanes16(cols);
+  for (int64_t i = 0; i < kTileRows; ++i) {
+    _mm512_storeu_ps(tmp + i * kPanel, i < rows ? _mm512_maskz_loadu_ps(mask, c + i * ldc) : _mm512_setzero_ps());
+  }
+  stride_bytes = kPanel * static_cast<int64_t>(sizeof(float));
+  return tmp;
+}
+
+// Where C tile for rows x cols of c stores to: c itself (a whole tile) or tmp, then copied back by
+// copy_back, so that nothing past the real cells is written.
+inline float* c_destination(float* c, int64_t ldc, int64_t rows, int64_t cols, float* tmp, int64_t& stride_bytes) {
+  const bool whole = rows == kTileRows && cols == kPanel;
+  stride_bytes = (whole ? ldc : kPanel) * static_cast<int64_t>(sizeof(float));
+  return whole ? c : tmp;
+}
+
+CA_AMX_TARGET inline void copy_back(const float* tmp, float* c, int64_t ldc, int64_t rows, int64_t cols) {
+  if (rows == kTileRows && cols == kPanel) {
+    return;
+  }
+  const __mmask16 mask = lanes16(cols);
+  for (int64_t i = 0; i < rows; ++i) {
+    _mm512_mask_storeu_ps(c + i * ldc, mask, _mm512_loadu_ps(tmp + i * kPanel));
+  }
+}
+
+#define CA_AMX_LOAD_C(T, C, ROWS, COLS)                                                       \
+  do {                                                                                        \
+    int64_t stride = 0;                                                                       \
+    const float* src = c_source(accumulate, (C), ldc, (ROWS), (COLS), tmp[T], stride);       \
+    if (src == nullptr) {                                                                     \
+      _tile_zero(T);                                                                          \
+    } else {                                                                                  \
+      _tile_loadd(T, src, stride);                                                            \
+    }                                                                                         \
+  } while (false)
+
+#define CA_AMX_STORE_C(T, C, ROWS, COLS)                                          \
+  do {                                                                            \
+    int64_t stride = 0;                                                           \
+    _tile_stored(T, c_destination((C), ldc, (ROWS), (COLS), tmp[T], stride), stride); \
+    copy_back(tmp[T], (C), ldc, (ROWS), (COLS));                                  \
+  } while (false)
+
+// NR row tiles (rows[r] real rows each) against NP panels (cols[q] real columns each) over `chunks`
+// chunks of 16 pairs.
+template <int NR, int NP>
+CA_AMX_TARGET void amx_block(int64_t chunks, const ATiles (&a)[2], const c10::BFloat16* b, int64_t ps_b,
+                             bool accumulate, float* c, int64_t ldc, const int64_t (&rows)[2],
+                             const int64_t (&cols)[2]) {
+  alignas(64) float tmp[4][kTileRows * kPanel];
+  CA_AMX_LOAD_C(0, c, rows[0], cols[0]);
+  if constexpr (NP == 2) CA_AMX_LOAD_C(1, c + kPanel, rows[0], cols[1]);
+  if constexpr (NR == 2) CA_AMX_LOAD_C(2, c + kTileRows * ldc, rows[1], cols[0]);
+  if constexpr (NR == 2 && NP == 2) CA_AMX_LOAD_C(3, c + kTileRows * ldc + kPanel, rows[1], cols[1]);
+  constexpr int64_t kBStride = 2 * kPanel * static_cast<int64_t>(sizeof(c10::BFloat16));
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const c10::BFloat16* bc = b + ch * kTileElems;
+    _tile_loadd(4, a[0].x + ch * a[0].chunk_step, a[0].stride_bytes);
+    _tile_loadd(6, bc, kBStride);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NP == 2) {
+      _tile_loadd(7, bc + ps_b, kBStride);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (NR == 2) {
+      _tile_loadd(5, a[1].x + ch * a[1].chunk_step, a[1].stride_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NP == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  CA_AMX_STORE_C(0, c, rows[0], cols[0]);
+  if constexpr (NP == 2) CA_AMX_STORE_C(1, c + kPanel, rows[0], cols[1]);
+  if constexpr (NR == 2) CA_AMX_STORE_C(2, c + kTileRows * ldc, rows[1], cols[0]);
+  if constexpr (NR == 2 && NP == 2) CA_AMX_STORE_C(3, c + kTileRows * ldc + kPanel, rows[1], cols[1]);
+}
+
+// pair_gemm on AMX tiles for the whole chunks of 16 pairs, then vdpbf16ps for the rest of k2.
+CA_AMX_TARGET void pair_gemm_amx(int64_t m, int64_t n, int64_t k2, const c10::BFloat16* a, int64_t rs_a,
+                                 int64_t cs_a, const c10::BFloat16* b, int64_t ps_b, bool accumulate, float* c,
+                                 int64_t ldc) {
+  const int64_t chunks = k2 / kTileRows;
+  if (chunks == 0 || chunks > kAmxMaxChunks) {
+    zmm_gemm<PairBlocks>(m, n, k2, a, rs_a, cs_a, b, 2 * kPanel, ps_b, accumulate, c, ldc);
+    return;
+  }
+  configure_tiles();
+  alignas(64) c10::BFloat16 packed[2][kAmxMaxChunks * kTileElems];
+  for (int64_t i0 = 0; i0 < m; i0 += 2 * kTileRows) {
+    const int64_t rows[2] = {std::min(kTileRows, m - i0),
+                             std::max<int64_t>(0, std::min(kTileRows, m - i0 - kTileRows))};
+    const int nr = rows[1] > 0 ? 2 : 1;
+    ATiles tiles[2];
+    for (int r = 0; r < nr; ++r) {
+      const c10::BFloat16* rows_a = a + (i0 + r * kTileRows) * rs_a;
+      if (cs_a == 2 && rows[r] == kTileRows) {
+        tiles[r] = {rows_a, rs_a * static_cast<int64_t>(sizeof(c10::BFloat16)), 2 * kTileRows};
+      } else {
+        pack_a_tiles(rows_a, rs_a, cs_a, rows[r], chunks, packed[r]);
+        tiles[r] = {packed[r], 2 * kPanel * static_cast<int64_t>(sizeof(c10::BFloat16)), kTileElems};
+      }
+    }
+    if (nr == 1) {
+      tiles[1] = tiles[0];
+    }
+    for (int64_t j0 = 0; j0 < n; j0 += 2 * kPanel) {
+      const int64_t cols[2] = {std::min(kPanel, n - j0), std::max<int64_t>(0, std::min(kPanel, n - j0 - kPanel))};
+      const c10::BFloat16* panels = b + (j0 / kPanel) * ps_b;
+      float* cc = c + i0 * ldc + j0;
+      const bool np2 = cols[1] > 0;
+      if (nr == 2) {
+        (np2 ? &amx_block<2, 2> : &amx_block<2, 1>)(chunks, tiles, panels, ps_b, accumulate, cc, ldc, rows, cols);
+      } else {
+        (np2 ? &amx_block<1, 2> : &amx_block<1, 1>)(chunks, tiles, panels, ps_b, accumulate, cc, ldc, rows, cols);
+      }
+    }
+  }
+  const int64_t done = chunks * kTileRows;
+  if (done < k2) {
+    zmm_gemm<PairBlocks>(m, n, k2 - done, a + done * cs_a, rs_a, cs_a, b + done * 2 * kPanel, 2 * kPanel, ps_b, true,
+                         c, ldc);
+  }
+}
+
+#undef CA_AMX_LOAD_C
+#undef CA_AMX_STORE_C
+
+// pair_dots summed as pair_gemm_amx sums: 16 rows at a time, x's rows against y's rows as one panel
+// of B, the diagonal kept.
+CA_AMX_TARGET void pair_dots_amx(const c10::BFloat16* x, const c10::BFloat16* y, int64_t rows, int64_t n,
+                                 float* out) {
+  const int64_t k2 = n / 2;
+  std::vector<c10::BFloat16> panel(static_cast<size_t>(2 * k2 * kPanel));
+  alignas(64) float prod[kTileRows * kPanel];
+  for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+    const int64_t count = std::min(kTileRows, rows - r0);
+    pair_panels(y + r0 * n, 1, n, n, count, panel.data());
+    pair_gemm_amx(count, count, k2, x + r0 * n, n, 2, panel.data(), 2 * k2 * kPanel, false, prod, kPanel);
+    for (int64_t i = 0; i < count; ++i) {
+      out[r0 + i] = prod[i * kPanel + i];
+    }
+  }
+}
 #endif
 
 }  // namespace
@@ -264,11 +528,13 @@ void set_pair_gemm_ops(TileOps<scalar_t>& ops) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (has_avx512_bf16()) {
-      ops.pair_gemm = &pair_gemm;
+      const bool amx = use_amx_bf16();
+      ops.pair_gemm = amx ? &pair_gemm_amx : &pair_gemm;
       ops.pair_panels = &pair_panels;
       ops.round_pairs_transposed = &round_pairs_transposed;
       ops.score_grad_pairs = &score_grad_pairs;
-      ops.pair_dots = &pair_dots;
+      ops.pair_dots = amx ? &pair_dots_amx : &pair_dots;
+      ops.pair_isa = amx ? "AMX-BF16 tiles" : "AVX512-BF16 pairs";
     }
   }
 #else
