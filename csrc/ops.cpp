@@ -18,6 +18,7 @@
 //   widened_addmm(a, b, bias) -> c          a @ b + bias, half operands summed in float32, rounded once
 //   half_arithmetic(dtype) -> bool          whether project leaves dtype to ATen here
 //   widened_products() -> str               "oneDNN" or "sgemm": what multiplies widened_addmm's blocks
+//   tile_products(dtype) -> str             what runs the attention kernels' tile products of dtype here
 //   unrounded_linear(x, weight, bias) -> y  x @ weight^T + bias summed in float32, not rounded back to half
 //   mask_to_bool(key_padding_mask) -> mask                              checks an integer mask's values
 //   cache_end(lengths, key_padding_mask, new_tokens, max_len) -> end    checks a cache step
@@ -301,6 +302,7 @@ TORCH_LIBRARY(causal_attention, m) {
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   m.def("dropout_keep_mask(Tensor seed, int B, int H, int T, float dropout_p) -> Tensor");
   m.def("cpu_capability() -> str");
+  m.def("tile_products(ScalarType dtype) -> str");
   m.def(
       "kv_cache_write(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, Tensor end, int n_heads, "
       "int? n_kv_heads=None) -> ()");
@@ -385,11 +387,24 @@ TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
 
 TORCH_LIBRARY_IMPL(causal_attention, CatchAll, m) {
   m.impl("cpu_capability", [] { return std::string(kernels::cpu_capability()); });
+  m.impl("tile_products", &kernels::tile_products);
   m.impl("half_arithmetic", &kernels::half_arithmetic);
   m.impl("widened_products", [] { return std::string(kernels::widened_products()); });
 }
 
 const char* kernels::cpu_capability() { return tile::tile_ops_capability(); }
+
+std::string kernels::tile_products(at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(at::isFloatingType(dtype), "tile_products: dtype must be a floating type; got ", dtype);
+  const std::string isa = tile::tile_ops_capability();
+  if (dtype == at::kBFloat16 && tile::tile_ops<c10::BFloat16>().pair_isa != nullptr) {
+    return tile::tile_ops<c10::BFloat16>().pair_isa;
+  }
+  if (dtype != at::kDouble && tile::tile_ops<float>().panel_gemm != nullptr) {
+    return isa + " float32 micro-kernel";
+  }
+  return "BLAS";
+}
 
 at::Tensor attention(const at::Tensor& qkv, const std::optional<at::Tensor>& key_padding_mask, int64_t n_heads,
                      double dropout_p, const std::optional<at::Tensor>& seed, std::optional<int64_t> n_kv_heads) {

@@ -25,15 +25,16 @@ TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 
 
 # oneDNN's own ISA for each ATEN_CPU_CAPABILITY below avx512 (isa_env).
-_ONEDNN_ISA = {"avx2": "AVX2", "default": "SSE41"}
+_ONEDNN_ISA = {"avx2": "AVX2", "default": "SSE41", "avx512-bf16": "AVX512_CORE_BF16"}
 
 
 def isa_env(capability: str, **extra: str) -> dict[str, str]:
     """The environment of a subprocess on one of the engine's instruction-set paths: os.environ with
     ATEN_CPU_CAPABILITY = capability and, below avx512, oneDNN held to the same ISA. (torch 2.13's CPU
     flash SDPA asks oneDNN whether to pack bfloat16 for AMX, and on an AMX CPU under avx2 it then raises
-    "pack_vnni2 is only supported when avx512 is supported".)"""
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability, **extra)
+    "pack_vnni2 is only supported when avx512 is supported".) "avx512-bf16": AVX512 with oneDNN, and so
+    the engine's bfloat16 pair kernel, held below AMX (vdpbf16ps instead of tiles)."""
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability.split("-")[0], **extra)
     if capability in _ONEDNN_ISA:
         env["ONEDNN_MAX_CPU_ISA"] = _ONEDNN_ISA[capability]
     return env

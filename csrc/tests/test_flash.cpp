@@ -97,6 +97,26 @@ TEST(Kernel, ChoosesTheInstructionSetATenChose) {
   EXPECT_EQ(std::string(kernels::cpu_capability()), expected);
 }
 
+TEST(Kernel, SaysWhatRunsItsTileProducts) {
+  // bfloat16 on AMX tiles or vdpbf16ps pairs where the AVX512 build runs and the CPU has AVX512-BF16;
+  // else on the float32 micro-kernel of the ISA (AVX2, AVX512) or BLAS; float64 always on BLAS.
+  const std::string isa = kernels::cpu_capability();
+  const std::string micro = isa == "DEFAULT" ? "BLAS" : isa + " float32 micro-kernel";
+  EXPECT_EQ(kernels::tile_products(at::kFloat), micro);
+  EXPECT_EQ(kernels::tile_products(at::kHalf), micro);
+  EXPECT_EQ(kernels::tile_products(at::kDouble), "BLAS");
+  const std::string bf16 = kernels::tile_products(at::kBFloat16);
+  if (isa == "AVX512" && __builtin_cpu_supports("avx512bf16")) {
+    EXPECT_TRUE(bf16 == "AMX-BF16 tiles" || bf16 == "AVX512-BF16 pairs") << bf16;
+    if (!__builtin_cpu_supports("amx-bf16")) {
+      EXPECT_EQ(bf16, "AVX512-BF16 pairs");
+    }
+  } else {
+    EXPECT_EQ(bf16, micro);
+  }
+  EXPECT_THROW(kernels::tile_products(at::kInt), c10::ValueError);
+}
+
 TEST(Kernel, HalfPrecisionProductsAccumulateInFloat32) {
   // q = k = 0, v = 300: every weight of row t is 1/(t+1) and the output is exactly 300. A P V tile
   // product summed in float16 overflowed (inf from query 218 on).

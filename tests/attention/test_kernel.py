@@ -287,7 +287,26 @@ PATH_SUITES = ("test_engine.py", "test_parity.py", "test_precision.py", "test_co
 _LOWER = {"AVX512": ["avx2", "default"], "AVX2": ["default"], "DEFAULT": []}
 
 
-@pytest.mark.parametrize("capability", ["avx2", "default"])
+def _amx_tiles() -> bool:
+    return str(torch.ops.causal_attention.tile_products(torch.bfloat16)) == "AMX-BF16 tiles"
+
+
+def test_tile_products_names_the_path():
+    """What runs the tile products, as the C++ side says it (test_flash.cpp): the ISA's float32
+    micro-kernel for float32 and half, BLAS for float64, and bfloat16's pair kernel where it runs."""
+    ops = torch.ops.causal_attention
+    isa = str(ops.cpu_capability())
+    micro = "BLAS" if isa == "DEFAULT" else f"{isa} float32 micro-kernel"
+    assert ops.tile_products(torch.float32) == micro and ops.tile_products(torch.float16) == micro
+    assert ops.tile_products(torch.float64) == "BLAS"
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    pairs = "AMX-BF16 tiles" if "amx_bf16" in flags else "AVX512-BF16 pairs"
+    assert ops.tile_products(torch.bfloat16) == (pairs if isa == "AVX512" and "avx512_bf16" in flags else micro)
+    with pytest.raises(ValueError, match="tile_products: dtype must be a floating type"):
+        ops.tile_products(torch.int32)
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default", "avx512-bf16"])
 def test_kernel_suites_on_each_lower_instruction_set(capability, tmp_path):
     """The kernel suites run once more under ATEN_CPU_CAPABILITY for each instruction set below this
     CPU's default (on AVX-512: AVX2's float32 micro-kernel, bfloat16 on widened operands instead of the
@@ -297,16 +316,23 @@ def test_kernel_suites_on_each_lower_instruction_set(capability, tmp_path):
 
     The sub-run has its own inductor cache: inductor's cache does not tell the two capabilities apart,
     and an AVX-512 run's compiled graph loaded under avx2 gave wrong results and a corrupted heap (seen
-    with torch 2.13 on the compiled sdpa backend of test_compile)."""
+    with torch 2.13 on the compiled sdpa backend of test_compile). On a CPU with AMX, "avx512-bf16" runs
+    them on the bfloat16 pair kernel's vdpbf16ps path, below the AMX tiles the default run takes."""
     default = torch.backends.cpu.get_cpu_capability()
-    if capability not in _LOWER.get(default, []):
+    if capability == "avx512-bf16":
+        if not _amx_tiles():
+            pytest.skip("bfloat16's tile products are not on AMX here: the whole suite ran the pair kernel's path")
+    elif capability not in _LOWER.get(default, []):
         pytest.skip(f"{capability.upper()} is not below this CPU's default ({default}): the whole suite ran it")
     here = os.path.dirname(os.path.abspath(__file__))
     env = isa_env(capability, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     probe = subprocess.run([sys.executable, "-c", "import torch, causal_attention; "
-                            "print(torch.ops.causal_attention.cpu_capability())"],
+                            "print(torch.ops.causal_attention.cpu_capability(), "
+                            "torch.ops.causal_attention.tile_products(torch.bfloat16))"],
                            env=env, capture_output=True, text=True, check=True)
-    assert probe.stdout.split()[-1] == capability.upper(), probe.stdout
+    assert probe.stdout.split()[0] == capability.split("-")[0].upper(), probe.stdout
+    if capability == "avx512-bf16":
+        assert "AVX512-BF16 pairs" in probe.stdout, probe.stdout
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
            *(os.path.join(here, name) for name in PATH_SUITES)]
     try:
@@ -322,30 +348,35 @@ _ONE_KEY_SCRIPT = """
 import torch, causal_attention
 torch.manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
-    qkv = (8 * torch.randn(3, 1, 3 * 4 * 12)).to(dtype).requires_grad_()
-    y = torch.ops.causal_attention.attention(qkv, None, 4)
-    g, = torch.autograd.grad(y, qkv, torch.randn_like(y))
-    print(torch.ops.causal_attention.cpu_capability(), dtype, g[..., :48].abs().max().item())
+    dq = 0.0
+    for heads, hd in ((4, 12), (2, 64)):  # head_dim 64: two AMX chunks of 16 pairs where bfloat16 has tiles
+        qkv = (8 * torch.randn(3, 1, 3 * heads * hd)).to(dtype).requires_grad_()
+        y = torch.ops.causal_attention.attention(qkv, None, heads)
+        g, = torch.autograd.grad(y, qkv, torch.randn_like(y))
+        dq = max(dq, g[..., :heads * hd].abs().max().item())
+    print(torch.ops.causal_attention.cpu_capability(), dtype, dq)
 """
 
 
-@pytest.mark.parametrize("capability", ["avx2", "avx512"])
+@pytest.mark.parametrize("capability", ["avx2", "avx512", "avx512-bf16"])
 def test_micro_kernel_one_key_gives_exact_zero_query_gradient(capability):
     """T = 1 on the micro-kernels (AVX2 and AVX512: float32's, and bfloat16's pair kernel where the CPU has
-    AVX512-BF16): the single weight is 1 whatever q is, so dQ = dS k with dS = P (dP - delta) is 0. delta =
+    AVX512-BF16, on AMX tiles where it has them and, avx512-bf16, held to vdpbf16ps there): the single weight is 1 whatever q is, so dQ = dS k with dS = P (dP - delta) is 0. delta =
     dO . O is summed in the kernel's order, so it cancels dP = dO . v bit for bit where O is exactly v:
     bfloat16 and float16 (O rounded back to v) get exactly 0 (ATen's sum of delta left ~1e-5 there).
     In float32 the row's largest key weighs exactly 1 (exp.h, scaled_max: the shift rounded down, the
     exponent clamped to 0), so O = v exactly: before, P = exp(rounding residue) ~ 1 + 1e-7 left a residue
     of 1e-5 (and make fuzz caught 2.8e-5 of relative error at scores of std 8)."""
     default = torch.backends.cpu.get_cpu_capability()
-    if default == "DEFAULT" or (capability == "avx512" and default != "AVX512"):
+    if default == "DEFAULT" or (capability.startswith("avx512") and default != "AVX512"):
         pytest.skip(f"this CPU has no {capability.upper()}")
+    if capability == "avx512-bf16" and not _amx_tiles():
+        pytest.skip("bfloat16's tile products are not on AMX here: the avx512 case runs the pair kernel's path")
     env = isa_env(capability)
     result = subprocess.run([sys.executable, "-c", _ONE_KEY_SCRIPT], env=env, capture_output=True, text=True,
                             check=True)
     lines = result.stdout.split("\n")[:3]
     for line in lines:
         name, dtype, dq = line.split()
-        assert name == capability.upper(), line
+        assert name == capability.split("-")[0].upper(), line
         assert float(dq) <= (1e-12 if dtype == "torch.float32" else 0.0), line

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace causal_attention {
@@ -215,6 +216,11 @@ int64_t advise_huge_pages(const at::Tensor& tensor);
 
 // The instruction set the CPU kernel's element-wise routines were chosen for at run time.
 const char* cpu_capability();
+
+// What runs the attention kernels' tile products of dtype here (an even head_dim for bfloat16's
+// pairs): "AMX-BF16 tiles" or "AVX512-BF16 pairs" (bfloat16), "<ISA> float32 micro-kernel" (float32,
+// and half / bfloat16 widened to it) or "BLAS" (float64, CPUs without AVX2).
+std::string tile_products(at::ScalarType dtype);
 
 // Whether this CPU multiplies dtype natively on the engine's path: float32 and float64 always;
 // bfloat16 with AVX512-BF16 and half with AVX512-FP16, on the AVX512 path (cpu_capability).

@@ -99,6 +99,8 @@ class Report:
     copy_gbs: float
     # dtype -> what measured its ceiling when not its own torch.mm, and what its own measured
     mm_source: dict[str, str] = field(default_factory=dict)
+    # dtype -> what runs the kernel's tile products of it (torch.ops.causal_attention.tile_products)
+    products: dict[str, str] = field(default_factory=dict)
     # Whether the CPU has bfloat16 dot-product instructions (AVX512-BF16 or AMX); None: unknown.
     bf16_dot_products: bool | None = None
     rows: list[Row] = field(default_factory=list)
@@ -289,6 +291,7 @@ def _new_report(B: int, H: int, hd: int, dtypes: tuple[torch.dtype, ...]) -> Rep
             ceilings["bfloat16"] = f32
     return Report(B=B, H=H, hd=hd, threads=torch.get_num_threads(),
                   capability=str(torch.ops.causal_attention.cpu_capability()),
+                  products={_name(dt): str(torch.ops.causal_attention.tile_products(dt)) for dt in dtypes},
                   mm_gflops={k: v[0] for k, v in ceilings.items()}, mm_n={k: v[1] for k, v in ceilings.items()},
                   copy_gbs=copy_ceiling(), mm_source=sources, bf16_dot_products=bf16_dot_products())
 
@@ -527,7 +530,8 @@ def peak_extra_mb(impl: str, B: int, T: int, H: int, hd: int) -> float:
 def print_report(report: Report, console: Console | None = None) -> None:
     console = console or Console(width=max(Console().width, 160))
     console.print(f"B={report.B} H={report.H} head_dim={report.hd}, {report.threads} threads, kernel ISA "
-                  f"{report.capability}; ceiling: torch.mm (as measured first; each row's \"of mm\" is against it in the "
+                  f"{report.capability} (tile products: "
+                  + ", ".join(f"{dt} {p}" for dt, p in report.products.items()) + f"); ceiling: torch.mm (as measured first; each row's \"of mm\" is against it in the "
                   "row's own rounds) "
                   + ", ".join(f"{dt} {v:.0f} GFLOP/s (n={report.mm_n[dt]}"
                               + (f"; {report.mm_source[dt]})" if dt in report.mm_source else ")")
