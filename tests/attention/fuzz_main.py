@@ -4,8 +4,9 @@ instruction-set path this CPU can run.
     python tests/attention/fuzz_main.py [--examples 10000] [--seed 20240611] [--threads 1] [--paths avx2 default]
                               [--report build/fuzz_report.json]
 
-For each path (ATEN_CPU_CAPABILITY = avx512, avx2, default: by default those this CPU runs; the engine
-picks its routines once per process, so each path runs in a process of its own) it runs
+For each path (ATEN_CPU_CAPABILITY = avx512, avx2, default, and avx512-bf16 on a CPU with AMX: by default
+those this CPU runs; the engine picks its routines once per process, so each path runs in a process of
+its own) it runs
 tests/attention/test_fuzz.py under the ``fuzz`` hypothesis profile with a progress bar and prints a summary: the
 examples run, the failing examples (each listed with every parameter it drew), and per dtype the worst
 error relative to its tolerance; then a table of the paths side by side. The summaries are written as
@@ -45,15 +46,21 @@ def summary_lines(report: dict, seconds: float) -> list[str]:
     return lines
 
 
-PATHS = ("avx512", "avx2", "default")
+PATHS = ("avx512", "avx512-bf16", "avx2", "default")
 
 
 def runnable_paths() -> list[str]:
-    """The instruction-set paths this CPU runs: its default and every one below it."""
+    """The instruction-set paths this CPU runs: its default and every one below it; avx512-bf16 (AVX512
+    with bfloat16's pair kernel held to vdpbf16ps, below AMX) only where the default takes AMX tiles."""
     import torch
 
+    import causal_attention  # noqa: F401  (loads the engine, so that its tile products can be read)
+
     default = torch.backends.cpu.get_cpu_capability().lower()
-    return list(PATHS[PATHS.index(default):]) if default in PATHS else ["default"]
+    paths = list(PATHS[PATHS.index(default):]) if default in PATHS else ["default"]
+    if torch.ops.causal_attention.tile_products(torch.bfloat16) != "AMX-BF16 tiles":
+        paths = [p for p in paths if p != "avx512-bf16"]
+    return paths
 
 
 def path_table(reports: dict[str, dict]) -> list[str]:
@@ -75,6 +82,7 @@ def run_one_path(args: argparse.Namespace, report_path: Path) -> int:
     import causal_attention  # noqa: F401  (loads the engine, so that its capability can be read)
 
     capability = str(torch.ops.causal_attention.cpu_capability())
+    capability += f" (bfloat16: {torch.ops.causal_attention.tile_products(torch.bfloat16)})"
     print(f"fuzz: the {capability} path", flush=True)
     start = time.perf_counter()
     code = pytest.main([str(HERE / "test_fuzz.py"), "-q", "-s", "-p", "no:cacheprovider"])
