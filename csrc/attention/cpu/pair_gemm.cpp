@@ -267,8 +267,8 @@ void pair_gemm(int64_t m, int64_t n, int64_t k2, const c10::BFloat16* a, int64_t
 // ---- AMX-BF16 -------------------------------------------------------------------------------------
 // A tile is 16 rows of 64 bytes: 16 pairs of an A row, 16 pairs (rows) of a B panel, or 16 float32 of
 // C. tdpbf16ps adds the 16 pairs' products of a row and a column to C's float32 sums, as vdpbf16ps
-// does, though not with the same roundings (measured: ~14% of sums differ in the last bit), so a
-// call sums its pairs in one fixed way whatever its shape: the first whole chunks of 16 pairs on
+// does, though not with the same roundings (some sums differ in their last bit), so a call sums its
+// pairs in one fixed way whatever its shape: the first whole chunks of 16 pairs on
 // tiles, the rest of k2 on vdpbf16ps from those sums. pair_dots_amx sums the same way.
 #define CA_AMX_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
@@ -334,7 +334,8 @@ struct ATiles {
 };
 
 // Rows i0.. (up to 16) of A over `chunks` chunks of 16 pairs as tiles at dst: pair (i, p) of A is at
-// a + i * rs_a + p * cs_a; rows past `rows` zero.
+// a + i * rs_a + p * cs_a, in one of pair_gemm's two layouts (cs_a = 2 or rs_a = 2); rows past `rows`
+// zero.
 CA_AMX_TARGET void pack_a_tiles(const c10::BFloat16* a, int64_t rs_a, int64_t cs_a, int64_t rows, int64_t chunks,
                                 c10::BFloat16* dst) {
   const __mmask16 valid = lanes16(rows);
@@ -345,22 +346,12 @@ CA_AMX_TARGET void pack_a_tiles(const c10::BFloat16* a, int64_t rs_a, int64_t cs
         const __m512i row = i < rows ? _mm512_loadu_si512(a + i * rs_a + ch * 2 * kTileRows) : _mm512_setzero_si512();
         _mm512_storeu_si512(tile + i * 2 * kPanel, row);
       }
-    } else if (rs_a == 2) {  // a pair row p holds the pairs of consecutive rows: transpose 16 x 16 pairs
+    } else {  // round_pairs_transposed's layout: a pair row p holds the pairs of consecutive rows
       __m512i r[16];
       for (int64_t p = 0; p < kTileRows; ++p) {
         r[p] = _mm512_maskz_loadu_epi32(valid, a + (ch * kTileRows + p) * cs_a);
       }
       transpose_16x16_epi32(r, tile);
-    } else {
-      for (int64_t i = 0; i < kTileRows; ++i) {
-        for (int64_t p = 0; p < kTileRows; ++p) {
-          uint32_t pair = 0;
-          if (i < rows) {
-            std::memcpy(&pair, a + i * rs_a + (ch * kTileRows + p) * cs_a, sizeof(pair));
-          }
-          std::memcpy(tile + i * 2 * kPanel + 2 * p, &pair, sizeof(pair));
-        }
-      }
     }
   }
 }
@@ -462,6 +453,7 @@ CA_AMX_TARGET void pair_gemm_amx(int64_t m, int64_t n, int64_t k2, const c10::BF
     zmm_gemm<PairBlocks>(m, n, k2, a, rs_a, cs_a, b, 2 * kPanel, ps_b, accumulate, c, ldc);
     return;
   }
+  TORCH_INTERNAL_ASSERT(cs_a == 2 || rs_a == 2, "pair_gemm: A's pairs must be adjacent along its rows or columns");
   configure_tiles();
   alignas(64) c10::BFloat16 packed[2][kAmxMaxChunks * kTileElems];
   for (int64_t i0 = 0; i0 < m; i0 += 2 * kTileRows) {
