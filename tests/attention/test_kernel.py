@@ -361,12 +361,13 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
 @pytest.mark.parametrize("capability", ["avx2", "avx512", "avx512-bf16"])
 def test_micro_kernel_one_key_gives_exact_zero_query_gradient(capability):
     """T = 1 on the micro-kernels (AVX2 and AVX512: float32's, and bfloat16's pair kernel where the CPU has
-    AVX512-BF16, on AMX tiles where it has them and, avx512-bf16, held to vdpbf16ps there): the single weight is 1 whatever q is, so dQ = dS k with dS = P (dP - delta) is 0. delta =
-    dO . O is summed in the kernel's order, so it cancels dP = dO . v bit for bit where O is exactly v:
-    bfloat16 and float16 (O rounded back to v) get exactly 0 (ATen's sum of delta left ~1e-5 there).
-    In float32 the row's largest key weighs exactly 1 (exp.h, scaled_max: the shift rounded down, the
-    exponent clamped to 0), so O = v exactly: before, P = exp(rounding residue) ~ 1 + 1e-7 left a residue
-    of 1e-5 (and make fuzz caught 2.8e-5 of relative error at scores of std 8)."""
+    AVX512-BF16, on AMX tiles where it has them and, avx512-bf16, held to vdpbf16ps there): the single weight
+    is 1 whatever q is, so dQ = dS k with dS = P (dP - delta) is 0. delta = dO . O is summed in the kernel's
+    order, so it cancels dP = dO . v bit for bit where O is exactly v: bfloat16 and float16 (O rounded back to
+    v) get exactly 0 (ATen's sum of delta left ~1e-5 there). In float32 the row's largest key weighs exactly 1
+    (exp.h, scaled_max: the shift rounded down, the exponent clamped to 0), so O = v exactly: before, P =
+    exp(rounding residue) ~ 1 + 1e-7 left a residue of 1e-5 (and make fuzz caught 2.8e-5 of relative error at
+    scores of std 8)."""
     default = torch.backends.cpu.get_cpu_capability()
     if default == "DEFAULT" or (capability.startswith("avx512") and default != "AVX512"):
         pytest.skip(f"this CPU has no {capability.upper()}")
