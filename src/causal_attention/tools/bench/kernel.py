@@ -312,8 +312,14 @@ def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repe
     steps = [(dt, T, m) for dt in dtypes for T in lengths for m in ("causal", "padded")]
     with Progress(transient=True) as progress:
         task = progress.add_task("bench", total=len(steps) + len(memory_lengths) + int(decode_shape is not None))
+
+        def step(description: str) -> None:
+            progress.update(task, description=description)
+            if not progress.console.is_terminal:  # piped: no live bar, so a line per step
+                progress.console.log(description)
+
         for dtype, T, mask_name in steps:
-            progress.update(task, description=f"{str(dtype)[6:]} T={T} {mask_name}")
+            step(f"{str(dtype)[6:]} T={T} {mask_name}")
             mask = None if mask_name == "causal" else _padded_mask(B, T, gen)
             attn_flops = 2 * B * H * T * T * hd
             baseline = "sdpa(is_causal)" if mask is None else "sdpa(bool mask)"
@@ -338,21 +344,21 @@ def run_bench(*, lengths: list[int], B: int = 4, H: int = 12, hd: int = 64, repe
                                  ceiling_flops, mbase)
             progress.advance(task)
         for T in memory_lengths:
-            progress.update(task, description=f"memory T={T}")
+            step(f"memory T={T}")
             report.memory.append({"T": T, **{impl: peak_extra_mb(impl, B, T, H, hd) for impl in ("ours", "sdpa(bool mask)")}})
             progress.advance(task)
         scaling_T = max((T for T in lengths if T <= 2048), default=None)
         if backward and scaling_T is not None and report.threads > 1:
-            progress.update(task, description=f"threads 1 vs {report.threads}, T={scaling_T}")
+            step(f"threads 1 vs {report.threads}, T={scaling_T}")
             report.thread_scaling = thread_scaling(B, scaling_T, H, hd, report.threads,
                                                    repeats=side_by_side_repeats(repeats), generator=gen)
         if backward and torch.bfloat16 in dtypes and torch.float32 in dtypes:
             for T in (T for T in lengths if T in BF16_SPEEDUP_T):
-                progress.update(task, description=f"float32 vs bfloat16, T={T}")
+                step(f"float32 vs bfloat16, T={T}")
                 report.bf16_speedup.append(bf16_speedup(B, T, H, hd, repeats=side_by_side_repeats(repeats),
                                                         generator=gen))
         if decode_shape is not None:
-            progress.update(task, description="decode")
+            step("decode")
             dB, ctx, ddim, dH = decode_shape
             report.decode = decode_rows(B=dB, ctx=ctx, dim=ddim, H=dH, dtypes=decode_dtypes)
             progress.advance(task)
