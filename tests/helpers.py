@@ -24,7 +24,8 @@ BASE_SEED = int(os.environ.get("CA_TEST_SEED", "0"))
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 
 
-# oneDNN's own ISA for each ATEN_CPU_CAPABILITY below avx512 (isa_env).
+# oneDNN's own ISA for each path below avx512 (isa_env): ATEN_CPU_CAPABILITY avx2 and default, and
+# avx512-bf16, AVX512 with bfloat16's products held below AMX.
 _ONEDNN_ISA = {"avx2": "AVX2", "default": "SSE41", "avx512-bf16": "AVX512_CORE_BF16"}
 
 
