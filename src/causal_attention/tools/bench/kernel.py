@@ -478,8 +478,9 @@ def targets(report: Report) -> list[dict[str, object]]:
     for T in (2048, 4096):
         r = ours("float32", T, "causal")
         add(f"f32 causal fwd+bwd vs SDPA(is_causal), T={T}", r and r.fwd_bwd_speedup, 1.3, "x")
-    r = ours("float32", 2048, "padded")
-    add("f32 forward, of same-run sgemm, T=2048", r and r.fwd_ceiling_fraction, 0.85, "fraction")
+    # The causal row: a padded one is credited with the FLOPs of the keys it skips.
+    r = ours("float32", 2048, "causal")
+    add("f32 causal forward, of same-run sgemm, T=2048", r and r.fwd_ceiling_fraction, 0.85, "fraction")
     for dt, goal in (("float32", 1.8), ("bfloat16", 4.0)):
         for T in (1024, 2048):
             r, f = ours(dt, T, "padded"), row("kernel", dt, T, "padded", FLEX)
