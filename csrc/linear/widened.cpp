@@ -25,8 +25,10 @@ namespace kernels {
 namespace {
 
 // widened_blocks' blocks: equal blocks whose widened operand and float32 sums take about
-// kWidenedBlockBytes together, in multiples of 16 rows (or columns).
-constexpr int64_t kWidenedBlockBytes = int64_t(1) << 22;
+// kWidenedBlockBytes together, in multiples of 16 rows (or columns). Each block's GEMM packs the whole
+// other operand again, so blocks are few; below glibc's 32 MB mmap ceiling, their buffers are reused
+// from the heap instead of faulted in afresh on every call.
+constexpr int64_t kWidenedBlockBytes = int64_t(1) << 24;
 
 bool is_half(at::ScalarType dtype) { return dtype == at::kBFloat16 || dtype == at::kHalf; }
 
@@ -184,8 +186,9 @@ void widened_blocks(const at::Tensor& a, const at::Tensor& b, const std::optiona
     const at::Tensor& b_f = by_rows ? whole_f : part_f;  // (K, cols)
     const int64_t row0 = by_rows ? i0 : 0, col0 = by_rows ? 0 : i0;
     const at::Tensor bias_block = bias_f.defined() ? bias_f.narrow(0, col0, b_f.size(1)) : at::Tensor();
-    // A column-major a (a weight gradient's x^T) goes to sgemm, which reads it transposed in place.
-    const at::Tensor sums = onednn_linear.has_value() && a_f.is_contiguous()
+    // oneDNN takes x row-major and the weight (cols, K) row-major; it would copy any other layout per
+    // block (a weight gradient's x^T, an input gradient's weight), which sgemm reads in place.
+    const at::Tensor sums = onednn_linear.has_value() && a_f.is_contiguous() && b_f.t().is_contiguous()
                                 ? onednn(*onednn_linear, a_f, b_f.t(), bias_block)
                                 : sgemm(a_f, b_f, bias_block, buffer);
     out.narrow(0, row0, sums.size(0)).narrow(1, col0, sums.size(1)).copy_(sums);

@@ -59,9 +59,9 @@ def _operand(rows: int, cols: int, layout: str, dtype: torch.dtype, gen: torch.G
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=_name)
-# (40, 16, 30000) and (20001, 8, 70): blocks of columns, of rows (kWidenedBlockBytes), the last one short.
+# (40, 16, 80001) and (70001, 8, 70): blocks of columns, of rows (kWidenedBlockBytes), the last one short.
 @pytest.mark.parametrize("M,K,N", [(1, 8, 3), (7, 48, 5), (113, 64, 80), (1025, 80, 17), (300, 700, 2100),
-                                   (40, 16, 30000), (20001, 8, 70)])
+                                   (40, 16, 80001), (70001, 8, 70)])
 # (contiguous, transposed) is x @ weight^T, the product oneDNN's inner product takes where torch has it.
 @pytest.mark.parametrize("layouts", [("contiguous", "contiguous"), ("transposed", "transposed"),
                                      ("contiguous", "transposed"), ("sliced", "transposed"),
