@@ -16,6 +16,7 @@
 //   few_rows_linear(x, weight, bias) -> y                              a decode step's linear layers
 //   project(x, weight, bias) -> y           differentiable; half on CPUs without half arithmetic: widened
 //   widened_addmm(a, b, bias) -> c          a @ b + bias, half operands summed in float32, rounded once
+//   widened_addmm_sums(a, b) -> (c, sums)   a @ b as above and b.sum(0) in float32 (a weight's and a bias's grads)
 //   half_arithmetic(dtype) -> bool          whether project leaves dtype to ATen here
 //   widened_products() -> str               "oneDNN" or "sgemm": what multiplies widened_addmm's blocks
 //   tile_products(dtype) -> str             what runs the attention kernels' tile products of dtype here
@@ -318,6 +319,7 @@ TORCH_LIBRARY(causal_attention, m) {
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("project(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("widened_addmm(Tensor a, Tensor b, Tensor? bias) -> Tensor");
+  m.def("widened_addmm_sums(Tensor a, Tensor b) -> (Tensor, Tensor)");
   m.def("unrounded_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("half_arithmetic(ScalarType dtype) -> bool");
   m.def("widened_products() -> str");
@@ -336,6 +338,7 @@ TORCH_LIBRARY_IMPL(causal_attention, Autograd, m) {
   m.impl("few_rows_linear", torch::autograd::autogradNotImplementedFallback());  // inference only
   m.impl("project", &causal_attention::project);                              // its own autograd where it widens
   m.impl("widened_addmm", torch::autograd::autogradNotImplementedFallback());  // differentiated by project
+  m.impl("widened_addmm_sums", torch::autograd::autogradNotImplementedFallback());
   m.impl("unrounded_linear", torch::autograd::autogradNotImplementedFallback());  // inference only
   m.impl("decode_layer", torch::autograd::autogradNotImplementedFallback());     // inference only
   m.impl("advise_huge_pages", torch::autograd::autogradNotImplementedFallback());  // no tensor out
@@ -365,6 +368,7 @@ TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {
     return at::linear(x, weight, bias);  // ATen's shapes and checks
   });
   m.impl("widened_addmm", &kernels::widened_addmm_meta);
+  m.impl("widened_addmm_sums", &kernels::widened_addmm_sums_meta);
   m.impl("unrounded_linear", &kernels::unrounded_linear_meta);
   m.impl("decode_layer", &decode_layer_meta);
   m.impl("advise_huge_pages", [](const at::Tensor&) -> int64_t { return 0; });  // no memory to advise
@@ -380,6 +384,7 @@ TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
   m.impl("decode_attention", &kernels::decode_attention_cpu);
   m.impl("few_rows_linear", &kernels::few_rows_linear_cpu);
   m.impl("widened_addmm", &kernels::widened_addmm_cpu);
+  m.impl("widened_addmm_sums", &kernels::widened_addmm_sums_cpu);
   m.impl("unrounded_linear", &kernels::unrounded_linear_cpu);
   m.impl("decode_layer", &kernels::decode_layer_cpu);
   m.impl("advise_huge_pages", &kernels::advise_huge_pages);

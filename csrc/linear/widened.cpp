@@ -51,14 +51,16 @@ void check_addmm(const at::Tensor& a, const at::Tensor& b, const std::optional<a
   TORCH_CHECK_TYPE(is_half(a.scalar_type()) && b.scalar_type() == a.scalar_type(),
                    "widened_addmm: a and b must both be bfloat16 or both float16; got ", a.scalar_type(), " and ",
                    b.scalar_type());
-  TORCH_CHECK_VALUE(a.device().is_cpu() && b.device().is_cpu(), "widened_addmm takes CPU tensors; got a on ",
-                    a.device(), " and b on ", b.device());
+  // (meta: the shapes-only kernel, as torch.compile's fake tensors reach it)
+  const auto cpu = [](const at::Tensor& t) { return t.device().is_cpu() || t.device().is_meta(); };
+  TORCH_CHECK_VALUE(cpu(a) && cpu(b), "widened_addmm takes CPU tensors; got a on ", a.device(), " and b on ",
+                    b.device());
   if (bias.has_value()) {
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == b.size(1), "widened_addmm: bias must have shape (N,) = (",
                       b.size(1), ",); got ", bias->sizes());
     TORCH_CHECK_TYPE(bias->scalar_type() == a.scalar_type(), "widened_addmm: bias dtype (", bias->scalar_type(),
                      ") must match a's (", a.scalar_type(), ")");
-    TORCH_CHECK_VALUE(bias->device().is_cpu(), "widened_addmm takes CPU tensors; got bias on ", bias->device());
+    TORCH_CHECK_VALUE(cpu(*bias), "widened_addmm takes CPU tensors; got bias on ", bias->device());
   }
 }
 
@@ -67,6 +69,13 @@ at::Tensor call_addmm(const at::Tensor& a, const at::Tensor& b, const std::optio
                        .findSchemaOrThrow("causal_attention::widened_addmm", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
   return op.call(a, b, bias);
+}
+
+std::tuple<at::Tensor, at::Tensor> call_addmm_sums(const at::Tensor& a, const at::Tensor& b) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("causal_attention::widened_addmm_sums", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&)>();
+  return op.call(a, b);
 }
 
 // a @ b (+ bias) with its gradients by the same products, so that it is differentiable any number of times.
@@ -87,14 +96,23 @@ class WidenedAddmm : public torch::autograd::Function<WidenedAddmm> {
     const auto& b = saved[1];
     const auto& g = grads[0];  // (M, N)
     at::Tensor ga, gb, gbias;
+    const bool needs_gbias = ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2);
     if (ctx->needs_input_grad(0)) {
       ga = WidenedAddmm::apply(g, b.t(), std::nullopt);  // (M, K)
     }
-    if (ctx->needs_input_grad(1)) {
-      gb = WidenedAddmm::apply(a.t(), g, std::nullopt);  // (K, N)
-    }
-    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) {
-      gbias = g.sum(0, /*keepdim=*/false, at::kFloat).to(g.scalar_type());  // (N,), summed in float32
+    if (ctx->needs_input_grad(1) && needs_gbias && !at::GradMode::is_enabled()) {
+      // The bias gradient summed from g's float32 widening in b's product: ATen's float32 sum of a
+      // half g widens it in a slow pass of its own.
+      at::Tensor sums;
+      std::tie(gb, sums) = call_addmm_sums(a.t(), g);  // (K, N), (N,) float32
+      gbias = sums.to(g.scalar_type());
+    } else {
+      if (ctx->needs_input_grad(1)) {
+        gb = WidenedAddmm::apply(a.t(), g, std::nullopt);  // (K, N)
+      }
+      if (needs_gbias) {
+        gbias = g.sum(0, /*keepdim=*/false, at::kFloat).to(g.scalar_type());  // (N,), summed in float32
+      }
     }
     return {ga, gb, gbias};
   }
@@ -161,7 +179,7 @@ at::Tensor sgemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bia
 }  // namespace
 
 void widened_blocks(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
-                    const at::Tensor& out) {
+                    const at::Tensor& out, const at::Tensor& b_sums) {
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
   // Blocks of rows where M >= N (b widened once, whole: up to twice its half size), of columns otherwise
   // (a widened once: a prompt's rows against a head's 50257 columns); a block's widened operand and its
@@ -176,6 +194,10 @@ void widened_blocks(const at::Tensor& a, const at::Tensor& b, const std::optiona
   const auto onednn_linear = onednn_linear_op();
   const at::Tensor& whole = by_rows ? b : a;
   const at::Tensor whole_f = widen_into(whole, at::empty({whole.numel()}, f32));
+  if (b_sums.defined() && by_rows) {
+    at::Tensor sums = b_sums;
+    at::sum_out(sums, whole_f, 0);
+  }
   const at::Tensor part_buffer = at::empty({block * K}, f32);
   const at::Tensor buffer = at::empty({by_rows ? block : M, by_rows ? N : block}, f32);  // sgemm's sums
   const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
@@ -184,6 +206,10 @@ void widened_blocks(const at::Tensor& a, const at::Tensor& b, const std::optiona
     const at::Tensor part_f = widen_into(by_rows ? a.narrow(0, i0, size) : b.narrow(1, i0, size), part_buffer);
     const at::Tensor& a_f = by_rows ? part_f : whole_f;  // (rows, K)
     const at::Tensor& b_f = by_rows ? whole_f : part_f;  // (K, cols)
+    if (b_sums.defined() && !by_rows) {
+      auto sums_block = b_sums.narrow(0, i0, size);
+      at::sum_out(sums_block, part_f, 0);
+    }
     const int64_t row0 = by_rows ? i0 : 0, col0 = by_rows ? 0 : i0;
     const at::Tensor bias_block = bias_f.defined() ? bias_f.narrow(0, col0, b_f.size(1)) : at::Tensor();
     // oneDNN takes x row-major and the weight (cols, K) row-major; it would copy any other layout per
@@ -221,6 +247,27 @@ at::Tensor widened_addmm_cpu(const at::Tensor& a, const at::Tensor& b, const std
   }
   widened_blocks(a, b, bias, out);  // rounded once
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> widened_addmm_sums_cpu(const at::Tensor& a, const at::Tensor& b) {
+  check_addmm(a, b, std::nullopt);
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  at::Tensor out = at::empty({M, N}, a.options());
+  at::Tensor sums = at::zeros({N}, a.options().dtype(at::kFloat));
+  if (N == 0 || K == 0) {
+    return {out.zero_(), sums};
+  }
+  if (M == 0) {
+    return {out, b.sum(0, /*keepdim=*/false, at::kFloat)};
+  }
+  widened_blocks(a, b, std::nullopt, out, sums);
+  return {out, sums};
+}
+
+std::tuple<at::Tensor, at::Tensor> widened_addmm_sums_meta(const at::Tensor& a, const at::Tensor& b) {
+  check_addmm(a, b, std::nullopt);
+  return {at::empty_symint({a.sym_size(0), b.sym_size(1)}, a.options()),
+          at::empty_symint({b.sym_size(1)}, a.options().dtype(at::kFloat))};
 }
 
 at::Tensor widened_addmm_meta(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias) {

@@ -7,6 +7,7 @@
 
 #include <limits>
 #include <string>
+#include <tuple>
 
 #include "causal_attention/attention.h"
 #include "causal_attention/module.h"
@@ -51,6 +52,25 @@ TEST_P(Widened, LinearAndItsGradientsMatchFloat64) {
   const auto g2 = g64.flatten(0, 1), x2 = x64.flatten(0, 1);
   expect_within(w.grad(), g2.t().mm(x2), g2.abs().t().mm(x2.abs()), B * T, dtype, "grad weight");
   expect_within(b.grad(), g2.sum(0), g2.abs().sum(0), B * T, dtype, "grad bias");
+}
+
+// A weight gradient and its bias gradient in one pass over g: widened_addmm's product bit for bit, and
+// g's column sums in float32 from its widening; b widened whole (rows) and in blocks of columns.
+TEST_P(Widened, AddmmSumsGivesTheProductAndBColumnSums) {
+  const auto dtype = GetParam();
+  torch::NoGradGuard no_grad;
+  torch::manual_seed(6);
+  for (const auto& [M, K, N] : {std::tuple<int64_t, int64_t, int64_t>{7, 113, 5}, {20, 70001, 8}, {40, 80001, 16}}) {
+    const auto a = (torch::randn({K, M}) * 2).to(dtype).t();  // column-major, as x^T
+    const auto b = (torch::randn({K, N}) * 3).to(dtype);
+    const auto [product, sums] = ca::kernels::widened_addmm_sums_cpu(a, b);
+    EXPECT_TRUE(torch::equal(product, ca::kernels::widened_addmm_cpu(a, b, std::nullopt))) << K;
+    ASSERT_EQ(sums.scalar_type(), torch::kFloat32) << K;
+    const auto b64 = b.to(torch::kFloat64);
+    const auto err = (sums.to(torch::kFloat64) - b64.sum(0)).abs();
+    EXPECT_TRUE(err.le(b64.abs().sum(0) * (double(K) * std::numeric_limits<float>::epsilon())).all().item<bool>())
+        << K << ": worst error " << err.max().item<double>();
+  }
 }
 
 TEST_P(Widened, ProjectWidensExactlyWhereTheCpuHasNoHalfArithmetic) {

@@ -124,8 +124,41 @@ def test_widened_addmm_empty_sizes(dtype: torch.dtype) -> None:
     assert ops.widened_addmm(torch.ones(0, 4, dtype=dtype), torch.ones(4, 3, dtype=dtype), bias).shape == (0, 3)
     out = ops.widened_addmm(torch.ones(2, 0, dtype=dtype), torch.ones(0, 3, dtype=dtype), bias)
     assert torch.equal(out, bias.expand(2, 3))  # K = 0: the bias alone
+    torch.library.opcheck(ops.widened_addmm.default, (torch.ones(5, 4, dtype=dtype), torch.ones(4, 3, dtype=dtype),
+                                                      bias), test_utils=("test_schema", "test_faketensor"))
     assert torch.equal(ops.widened_addmm(torch.ones(2, 0, dtype=dtype), torch.ones(0, 3, dtype=dtype), None),
                        torch.zeros(2, 3, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=_name)
+# (40, 80001, 16): b widened in blocks of columns, the last one short; (20, 70001, 8): b widened whole.
+@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (7, 113, 5), (80, 4096, 48), (40, 80001, 16), (20, 70001, 8)])
+def test_widened_addmm_sums_adds_b_column_sums(dtype: torch.dtype, M: int, K: int, N: int) -> None:
+    """A weight gradient a @ g and its bias gradient g.sum(0) in one pass: the product is widened_addmm's,
+    bit for bit; the sums are float32 sums of the exact widenings (float32, not rounded to the dtype)."""
+    gen = torch.Generator().manual_seed(M + K + N)
+    a = (torch.randn(K, M, generator=gen) * 2).to(dtype).t()  # column-major, as x^T is
+    b = (torch.randn(K, N, generator=gen) * 3).to(dtype)
+    out, sums = ops.widened_addmm_sums(a, b)
+    assert torch.equal(out, ops.widened_addmm(a, b, None))
+    assert sums.dtype == torch.float32 and sums.shape == (N,)
+    exact = b.double().sum(0)
+    bound = K * EPS32 * b.double().abs().sum(0) + torch.finfo(torch.float32).tiny
+    assert bool(((sums.double() - exact).abs() <= bound).all())
+    if K > 100:  # not rounded to the dtype: long sums need float32's bits
+        assert not torch.equal(sums, sums.to(dtype).float())
+    if K < 1000:  # its meta kernel: shapes and dtypes under FakeTensor, as torch.compile traces it
+        torch.library.opcheck(ops.widened_addmm_sums.default, (a, b), test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=_name)
+def test_widened_addmm_sums_empty_and_wrong_shapes(dtype: torch.dtype) -> None:
+    out, sums = ops.widened_addmm_sums(torch.ones(3, 0, dtype=dtype), torch.ones(0, 2, dtype=dtype))
+    assert torch.equal(out, torch.zeros(3, 2, dtype=dtype)) and torch.equal(sums, torch.zeros(2))
+    out, sums = ops.widened_addmm_sums(torch.ones(0, 4, dtype=dtype), torch.ones(4, 2, dtype=dtype))
+    assert out.shape == (0, 2) and torch.equal(sums, torch.full((2,), 4.0))
+    with pytest.raises(ValueError, match=r"a must be \(M, K\) and b \(K, N\)"):
+        ops.widened_addmm_sums(torch.ones(2, 4, dtype=dtype), torch.ones(3, 4, dtype=dtype))
 
 
 def test_widened_addmm_errors_name_the_argument() -> None:
@@ -144,7 +177,9 @@ def test_widened_addmm_errors_name_the_argument() -> None:
 
 @pytest.mark.parametrize("dtype", HALF, ids=_name)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
-def test_project_gradients_by_the_same_products(dtype: torch.dtype, with_bias: bool) -> None:
+# Without a graph the bias gradient is summed in the weight gradient's product (widened_addmm_sums).
+@pytest.mark.parametrize("create_graph", [True, False], ids=["graph", "no_graph"])
+def test_project_gradients_by_the_same_products(dtype: torch.dtype, with_bias: bool, create_graph: bool) -> None:
     """project's gradients (dx = g W, dW = g^T x, db = sum g in float32) against float64 autograd of the
     same half values, to the bound of one float32 sum rounded once; and its double backward."""
     gen = torch.Generator().manual_seed(5)
@@ -154,7 +189,7 @@ def test_project_gradients_by_the_same_products(dtype: torch.dtype, with_bias: b
     b = torch.randn(n_out, generator=gen).to(dtype).requires_grad_() if with_bias else None
     g = torch.randn(B, T, n_out, generator=gen).to(dtype)
     y = ops.project(x, w, b)
-    grads = torch.autograd.grad(y, [t for t in (x, w, b) if t is not None], g, create_graph=True)
+    grads = torch.autograd.grad(y, [t for t in (x, w, b) if t is not None], g, create_graph=create_graph)
 
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     b64 = None if b is None else b.detach().double().requires_grad_()
@@ -168,6 +203,8 @@ def test_project_gradients_by_the_same_products(dtype: torch.dtype, with_bias: b
         assert got.dtype == dtype
         assert bool(((got.detach().double() - want).abs() <= _bound(want, magnitude, k, dtype)).all())
 
+    if not create_graph:
+        return
     # Double backward: d/dW sum(h * dx) = g^T h, since dx = g W.
     h = torch.randn(B, T, n_in, generator=gen).to(dtype)
     (ggw,) = torch.autograd.grad((grads[0] * h).sum(), [w])
@@ -226,7 +263,8 @@ out = {"half_arithmetic": [bool(torch.ops.causal_attention.half_arithmetic(d)) f
 def widened_calls(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
-    return sum(e.count for e in prof.key_averages() if e.key == "causal_attention::widened_addmm")
+    names = ("causal_attention::widened_addmm", "causal_attention::widened_addmm_sums")
+    return sum(e.count for e in prof.key_averages() if e.key in names)
 
 def rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1)).item()
@@ -285,7 +323,7 @@ def test_layer_and_gpt_widen_their_projections_on_the_avx2_path() -> None:
     assert result["half_arithmetic"] == [False, False]
     for dtype in HALF:
         r = result[_name(dtype)]
-        # forward: qkv and proj; backward: dx and dW of each
+        # forward: qkv and proj; backward: dx and dW (with the bias's gradient) of each
         assert r["widened"]["calls"] == 6 and r["aten"]["calls"] == 0, r
         for what in ("out", "grad_x"):
             # As close to float64 as ATen's own half products (2x: the two round differently).

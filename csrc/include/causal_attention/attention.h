@@ -235,6 +235,10 @@ const char* widened_products();
 // dtype. No autograd.
 at::Tensor widened_addmm_cpu(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias);
 at::Tensor widened_addmm_meta(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias);
+// widened_addmm(a, b) and b's column sums b.sum(0) -> ((M, N) in the dtype, (N,) float32), the sums taken
+// from b's float32 widening (a weight gradient a^T g and its bias gradient in one pass over g). No autograd.
+std::tuple<at::Tensor, at::Tensor> widened_addmm_sums_cpu(const at::Tensor& a, const at::Tensor& b);
+std::tuple<at::Tensor, at::Tensor> widened_addmm_sums_meta(const at::Tensor& a, const at::Tensor& b);
 
 // x (..., in) @ weight^T (+ bias) -> (..., out) summed in float32 (float64 for float64) and returned
 // unrounded: float32 for bfloat16/half operands (each product of two exact widenings), x's dtype
