@@ -18,7 +18,7 @@
 //   widened_addmm(a, b, bias) -> c          a @ b + bias, half operands summed in float32, rounded once
 //   widened_addmm_sums(a, b) -> (c, sums)   a @ b as above and b.sum(0) in float32 (a weight's and a bias's grads)
 //   half_arithmetic(dtype) -> bool          whether project leaves dtype to ATen here
-//   widened_products() -> str               "oneDNN" or "sgemm": what multiplies widened_addmm's blocks
+//   widened_products() -> str               "oneDNN+sgemm" or "sgemm": what multiplies widened_addmm's blocks
 //   tile_products(dtype) -> str             what runs the attention kernels' tile products of dtype here
 //   unrounded_linear(x, weight, bias) -> y  x @ weight^T + bias summed in float32, not rounded back to half
 //   mask_to_bool(key_padding_mask) -> mask                              checks an integer mask's values

@@ -221,7 +221,7 @@ void widened_blocks(const at::Tensor& a, const at::Tensor& b, const std::optiona
   }
 }
 
-const char* widened_products() { return onednn_linear_op().has_value() ? "oneDNN" : "sgemm"; }
+const char* widened_products() { return onednn_linear_op().has_value() ? "oneDNN+sgemm" : "sgemm"; }
 
 bool half_arithmetic(at::ScalarType dtype) {
   TORCH_CHECK_VALUE(at::isFloatingType(dtype), "half_arithmetic: dtype must be a floating type; got ", dtype);

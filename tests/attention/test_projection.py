@@ -91,14 +91,14 @@ def test_widened_addmm_sums_in_float32_and_rounds_once(dtype: torch.dtype, M: in
 def test_widened_products_names_the_route(backend: str) -> None:
     onednn = torch.backends.mkldnn.is_available() and backend == "onednn"
     with _float32_products(backend):
-        assert ops.widened_products() == ("oneDNN" if onednn else "sgemm")
+        assert ops.widened_products() == ("oneDNN+sgemm" if onednn else "sgemm")
 
 
 def test_widened_products_keep_to_sgemm_where_onednn_would_round() -> None:
     """oneDNN's environment can make its float32 products round (ONEDNN_DEFAULT_FPMATH_MODE): there the
     widened blocks go to sgemm."""
     code = "import torch, causal_attention; print(torch.ops.causal_attention.widened_products())"
-    strict = "oneDNN" if torch.backends.mkldnn.is_available() else "sgemm"
+    strict = "oneDNN+sgemm" if torch.backends.mkldnn.is_available() else "sgemm"
     for mode, expected in (("BF16", "sgemm"), ("STRICT", strict)):
         env = {**os.environ, "ONEDNN_DEFAULT_FPMATH_MODE": mode}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

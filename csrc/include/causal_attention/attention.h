@@ -226,8 +226,9 @@ std::string tile_products(at::ScalarType dtype);
 // bfloat16 with AVX512-BF16 and half with AVX512-FP16, on the AVX512 path (cpu_capability).
 bool half_arithmetic(at::ScalarType dtype);
 
-// What multiplies widened_addmm's float32 blocks now: "oneDNN" (its inner product, where torch has it,
-// torch.backends.mkldnn is enabled and its float32 products are IEEE) or "sgemm".
+// What multiplies widened_addmm's float32 blocks now: "oneDNN+sgemm" (oneDNN's inner product where the
+// weight is in its (out, in) layout, sgemm for the rest; where torch has oneDNN, torch.backends.mkldnn is
+// enabled and its float32 products are IEEE) or "sgemm".
 const char* widened_products();
 
 // a (M, K) @ b (K, N) (+ bias (N,)) -> (M, N), bfloat16 or half operands of any strides, each output
