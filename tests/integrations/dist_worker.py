@@ -320,9 +320,10 @@ def op_rules(args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
-def layer_and_copy(dtype: torch.dtype = torch.float64, n_heads: int = 4) -> tuple[CausalSelfAttention, CausalSelfAttention]:
+def layer_and_copy(dtype: torch.dtype = torch.float64, n_heads: int = 4,
+                   n_kv_heads: int | None = None) -> tuple[CausalSelfAttention, CausalSelfAttention]:
     torch.manual_seed(3)
-    layer = CausalSelfAttention(12, n_heads, dtype=dtype)
+    layer = CausalSelfAttention(12, n_heads, dtype=dtype, n_kv_heads=n_kv_heads)
     for p in layer.parameters():
         nn.init.normal_(p, std=0.3)
     return layer, copy.deepcopy(layer)
@@ -336,9 +337,10 @@ def tp_layer(args: argparse.Namespace) -> dict[str, float]:
     meshes = {"tp2": init_device_mesh("cpu", (world(),)),
               "tp1": init_device_mesh("cpu", (world(), 1), mesh_dim_names=("dp", "tp"))["tp"]}
     for mesh_name, mesh in meshes.items():
-        for padded in (False, True):
-            tag = f"{mesh_name}_{'padded' if padded else 'full'}"
-            layer, sharded = layer_and_copy()
+        for padded, kv in ((False, None), (True, None), (True, 4)):
+            # kv 4: n_kv_heads given, equal to n_heads (multi-head, the op called with n_kv_heads)
+            tag = f"{mesh_name}_{'padded' if padded else 'full'}{'_kv' if kv else ''}"
+            layer, sharded = layer_and_copy(n_kv_heads=kv)
             cad.parallelize_attention(sharded, mesh)
             g = torch.Generator().manual_seed(11)
             x = torch.randn(3, 6, 12, generator=g, dtype=torch.float64)
@@ -372,6 +374,14 @@ def tp_layer(args: argparse.Namespace) -> dict[str, float]:
         out["indivisible_refused"] = 0.0
     except ValueError as exc:
         out["indivisible_refused"] = float("n_heads (got 3)" in str(exc) and f"(got {world()})" in str(exc))
+    # Grouped-query heads: refused by name, before anything is sharded (not cut into wrong rows).
+    gqa = CausalSelfAttention(12, 4, n_kv_heads=2, dtype=torch.float64)
+    try:
+        cad.parallelize_attention(gqa, meshes["tp2"])
+        out["gqa_refused"] = 0.0
+    except ValueError as exc:
+        out["gqa_refused"] = float("grouped-query" in str(exc) and "n_kv_heads=2" in str(exc)
+                                   and not isinstance(gqa.qkv.weight, DTensor))
     return out
 
 

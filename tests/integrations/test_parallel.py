@@ -104,7 +104,7 @@ def test_ops_refuse_dropout_on_dtensors(results):
     assert metrics(results, "op_rules")["dropout_refused"] == 1.0
 
 
-@pytest.mark.parametrize("padded", ["full", "padded"])
+@pytest.mark.parametrize("padded", ["full", "padded", "padded_kv"])
 @pytest.mark.parametrize("mesh", ["tp1", "tp2"])
 def test_tensor_parallel_layer_equals_unsharded(results, mesh, padded):
     m = metrics(results, "tp_layer")
@@ -118,6 +118,7 @@ def test_tensor_parallel_layer_holds_its_heads_rows_and_refuses_indivisible_head
     assert m["local_rows"] == 0.0
     assert m["naive_colwise_out"] > 0.1  # ColwiseParallel's contiguous cut of [q | k | v] is wrong
     assert m["indivisible_refused"] == 1.0
+    assert m["gqa_refused"] == 1.0
 
 
 def test_tensor_parallel_generation_equals_unsharded(results):

@@ -197,8 +197,10 @@ def parallelize_attention(module: CausalSelfAttention, tp_mesh: DeviceMesh) -> C
     ``module.n_heads`` becomes H/W (the heads of this rank, as a KV cache of this rank needs);
     the output (B, T, dim) is replicated. Every rank must pass the same x and mask.
 
-    Raises ValueError when W does not divide n_heads, and for attention dropout (each rank would
-    draw the same keep decisions for its local heads).
+    Raises ValueError when W does not divide n_heads, for attention dropout (each rank would draw
+    the same keep decisions for its local heads), and for grouped-query layers (n_kv_heads below
+    n_heads): their qkv rows [q | k | v] have parts of unequal width, and no DTensor placement of the
+    one weight gives each rank its heads' rows of all three (shard those with FSDP2 or DDP).
     """
     if not isinstance(module, CausalSelfAttention):
         raise TypeError(f"module must be a CausalSelfAttention; got {type(module).__name__}")
@@ -216,8 +218,17 @@ def parallelize_attention(module: CausalSelfAttention, tp_mesh: DeviceMesh) -> C
             f"parallelize_attention: attention dropout (got {module.dropout}) is not supported under tensor "
             "parallel: every rank would draw the same keep decisions for its local heads"
         )
+    if module.kv_heads != module.n_heads:
+        raise ValueError(
+            f"parallelize_attention: grouped-query attention (n_kv_heads={module.n_kv_heads}, "
+            f"n_heads={module.n_heads}) is not supported under tensor parallel: the fused qkv's parts q | k | v "
+            "differ in width, and no DTensor placement of one weight gives each rank its heads' rows of all three; "
+            "use FSDP2 or DDP for this layer"
+        )
     parallelize_module(module, mesh, {"qkv": _HeadAlignedColwise(), "proj": RowwiseParallel()})
     module.n_heads = module.n_heads // world
+    if module.n_kv_heads is not None:  # (= n_heads: multi-head, its parts of equal width)
+        module.n_kv_heads = module.n_heads
     return module
 
 
