@@ -252,14 +252,11 @@ at::Tensor widened_addmm_cpu(const at::Tensor& a, const at::Tensor& b, const std
 std::tuple<at::Tensor, at::Tensor> widened_addmm_sums_cpu(const at::Tensor& a, const at::Tensor& b) {
   check_addmm(a, b, std::nullopt);
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  if (M == 0 || N == 0 || K == 0) {  // nothing to widen: widened_addmm's empty product and ATen's sum
+    return {widened_addmm_cpu(a, b, std::nullopt), b.sum(0, /*keepdim=*/false, at::kFloat)};
+  }
   at::Tensor out = at::empty({M, N}, a.options());
-  at::Tensor sums = at::zeros({N}, a.options().dtype(at::kFloat));
-  if (N == 0 || K == 0) {
-    return {out.zero_(), sums};
-  }
-  if (M == 0) {
-    return {out, b.sum(0, /*keepdim=*/false, at::kFloat)};
-  }
+  at::Tensor sums = at::empty({N}, a.options().dtype(at::kFloat));
   widened_blocks(a, b, std::nullopt, out, sums);
   return {out, sums};
 }
