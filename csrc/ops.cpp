@@ -4,10 +4,11 @@
 //   attention_forward(qkv, key_padding_mask, n_heads, dropout_p=0, seed=None, n_kv_heads=None) -> (out, lse)
 //   attention_backward(grad_out, qkv, key_padding_mask, out, lse, n_heads, dropout_p=0, seed=None,
 //                      n_kv_heads=None) -> grad_qkv       the fused CPU kernel; n_kv_heads: grouped-query
-//   attention_heads_forward(q, k, v, key_mask, scale=None, window=None, softcap=None, dropout_p=0, seed=None)
-//                      -> (out, lse)      separate heads: q (B, H, Tq, hd) ending k, v (B, Hkv, Tk, hd)
+//   attention_heads_forward(q, k, v, key_mask, scale=None, window=None, softcap=None, dropout_p=0, seed=None,
+//                           sinks=None) -> (out, lse)   separate heads: q (B, H, Tq, hd) ending k, v (B, Hkv, Tk, hd)
 //   attention_heads_backward(grad_out, q, k, v, key_mask, out, lse, scale, window, softcap, dropout_p, seed)
 //                      -> (grad_q, grad_k, grad_v)
+//   attention_sinks_backward(grad_out, out, lse, sinks) -> grad_sinks   ATen operations (traced as they are)
 //   dropout_keep_mask(seed, B, H, T, dropout_p) -> keep (B, H, T, T) bool   the kernels' dropout decisions
 //   kv_cache_write(qkv, k_cache!, v_cache!, start, end, n_heads, n_kv_heads=None)   generation: static KV cache
 //   decode_attention(qkv, k_cache, v_cache, start, end, n_heads, n_kv_heads=None) -> out
@@ -204,13 +205,16 @@ const at::Tensor* maybe(const OptionalTensor& t) { return t.has_value() ? &*t : 
 std::tuple<at::Tensor, at::Tensor> attention_heads_forward_meta(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptionalTensor& mask,
     std::optional<double> /*scale*/, std::optional<int64_t> /*window*/, std::optional<double> /*softcap*/,
-    double dropout_p, const OptionalTensor& seed) {
+    double dropout_p, const OptionalTensor& seed, const OptionalTensor& sinks) {
   TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                     "q, k, v must be 4-D: q (B, H, Tq, head_dim), k and v (B, Hkv, Tk, head_dim); got shapes ",
                     q.sym_sizes(), ", ", k.sym_sizes(), ", ", v.sym_sizes());
   check_dropout(dropout_p);
   check_one_device("attention_heads_forward", "q", q,
-                   {{"k", &k}, {"v", &v}, {"key_mask", maybe(mask)}, {"seed", maybe(seed)}});
+                   {{"k", &k}, {"v", &v}, {"key_mask", maybe(mask)}, {"seed", maybe(seed)}, {"sinks", maybe(sinks)}});
+  TORCH_CHECK_VALUE(!sinks.has_value() || (sinks->dim() == 1 && sinks->sym_size(0) == q.sym_size(1)),
+                    "sinks must be of shape (H,), one logit per query head of q ", q.sym_sizes(), "; got ",
+                    sinks->sym_sizes());
   const int64_t head_dim = q.sym_size(3).guard_int(__FILE__, __LINE__);
   const bool wide = q.scalar_type() == at::kDouble || tile::computes_in_float64(q.scalar_type(), head_dim);
   auto out = at::empty_symint({q.sym_size(0), q.sym_size(2), q.sym_size(1), q.sym_size(3)}, q.options());
@@ -296,11 +300,12 @@ TORCH_LIBRARY(causal_attention, m) {
       "int n_heads, float dropout_p=0., Tensor? seed=None, int? n_kv_heads=None) -> Tensor grad_qkv");
   m.def(
       "attention_heads_forward(Tensor q, Tensor k, Tensor v, Tensor? key_mask, float? scale=None, int? window=None, "
-      "float? softcap=None, float dropout_p=0., Tensor? seed=None) -> (Tensor out, Tensor lse)");
+      "float? softcap=None, float dropout_p=0., Tensor? seed=None, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
   m.def(
       "attention_heads_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? key_mask, Tensor out, "
       "Tensor lse, float? scale=None, int? window=None, float? softcap=None, float dropout_p=0., Tensor? seed=None) "
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  m.def("attention_sinks_backward(Tensor grad_out, Tensor out, Tensor lse, Tensor sinks) -> Tensor");
   m.def("dropout_keep_mask(Tensor seed, int B, int H, int T, float dropout_p) -> Tensor");
   m.def("cpu_capability() -> str");
   m.def("tile_products(ScalarType dtype) -> str");
@@ -350,6 +355,10 @@ TORCH_LIBRARY_IMPL(causal_attention, CompositeExplicitAutograd, m) {
   m.impl("cache_end", &cache_end);
   m.impl("cache_zeros", &kernels::cache_zeros);
   m.impl("project", &kernels::project_no_autograd);
+}
+
+TORCH_LIBRARY_IMPL(causal_attention, CompositeImplicitAutograd, m) {
+  m.impl("attention_sinks_backward", &kernels::attention_sinks_backward);
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {

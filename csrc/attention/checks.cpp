@@ -39,7 +39,7 @@ void check_qkv(const at::Tensor& qkv, int64_t n_heads, int64_t n_kv_heads) {
 
 void check_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const std::optional<at::Tensor>& key_mask, std::optional<double> scale, std::optional<int64_t> window,
-                 std::optional<double> softcap, double dropout_p) {
+                 std::optional<double> softcap, double dropout_p, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                     "q, k, v must be 4-D: q (B, H, Tq, head_dim), k and v (B, Hkv, Tk, head_dim); got shapes ",
                     q.sizes(), ", ", k.sizes(), ", ", v.sizes());
@@ -76,6 +76,13 @@ void check_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   check_dropout(dropout_p);
   TORCH_CHECK_VALUE(dropout_p == 0 || Tq == Tk, "dropout needs q and k of one length (training); got Tq = ", Tq,
                     ", Tk = ", Tk);
+  if (sinks.has_value()) {
+    TORCH_CHECK_VALUE(at::isFloatingType(sinks->scalar_type()) && sinks->dim() == 1 && sinks->size(0) == H,
+                      "sinks must be a floating tensor of shape (H,) = (", H, ",), one logit per query head; got ",
+                      sinks->scalar_type(), " of shape ", sinks->sizes());
+    TORCH_CHECK_VALUE(sinks->device() == q.device(), "sinks must be on q's device (", q.device(), "); got ",
+                      sinks->device());
+  }
 }
 
 void check_dropout(double dropout_p) {

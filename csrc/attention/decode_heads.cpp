@@ -37,7 +37,8 @@ class HeadsDecodePass {
   using acc_t = at::opmath_type<scalar_t>;
 
   HeadsDecodePass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
-                  double scale, int64_t first_key, const at::Tensor& out, const at::Tensor& lse)
+                  double scale, int64_t first_key, const at::Tensor& out, const at::Tensor& lse,
+                  const at::Tensor& sinks)
       : B_(q.size(0)),
         H_(q.size(1)),
         Tq_(q.size(2)),
@@ -61,7 +62,8 @@ class HeadsDecodePass {
                                      std::max<int64_t>(1, ceil_div(Tk_ - first_key, kDecodeChunk)))),
         states_(B_ * units_ * n_split_ * rows_ * (hd_ + 2)),
         out_(out.data_ptr<scalar_t>()),
-        lse_(lse.data_ptr<acc_t>()) {}
+        lse_(lse.data_ptr<acc_t>()),
+        sinks_(sinks.defined() ? sinks.const_data_ptr<acc_t>() : nullptr) {}
 
   void run() {
     run_items(
@@ -143,7 +145,8 @@ class HeadsDecodePass {
       const int64_t h = stacked_ ? u * group_ + r : u;
       const int64_t i = stacked_ ? 0 : r;
       lse_[(b * H_ + h) * Tq_ + i] =
-          merge_split_row(split_state, n_split_, rows_, hd_, r, merged, out_ + ((b * Tq_ + i) * H_ + h) * hd_);
+          merge_split_row(split_state, n_split_, rows_, hd_, r, merged, out_ + ((b * Tq_ + i) * H_ + h) * hd_,
+                          sinks_ == nullptr ? nullptr : sinks_ + h);
     }
   }
 
@@ -162,6 +165,7 @@ class HeadsDecodePass {
   std::vector<acc_t> states_;     // per item: o (rows x hd), m (rows), l (rows)
   scalar_t* out_;                 // (B, Tq, H, hd)
   acc_t* lse_;                    // (B, H, Tq)
+  const acc_t* sinks_;            // (H,) or nullptr
 };
 
 }  // namespace
@@ -176,7 +180,7 @@ bool decodes_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 
 std::tuple<at::Tensor, at::Tensor> decode_heads_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const std::optional<at::Tensor>& mask, double scale,
-                                                    std::optional<int64_t> window) {
+                                                    std::optional<int64_t> window, const at::Tensor& sinks) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), hd = q.size(3), Tk = k.size(2);
   const auto acc_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   auto out = at::empty({B, Tq, H, hd}, q.options());
@@ -187,7 +191,7 @@ std::tuple<at::Tensor, at::Tensor> decode_heads_cpu(const at::Tensor& q, const a
   const int64_t first_key = window.has_value() ? std::max<int64_t>(0, Tk - *window) : 0;
   const auto contiguous_mask = mask.has_value() ? std::optional<at::Tensor>(mask->contiguous()) : std::nullopt;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "causal_attention_decode_heads", [&] {
-    HeadsDecodePass<scalar_t>(q, k, v, contiguous_mask, scale, first_key, out, lse).run();
+    HeadsDecodePass<scalar_t>(q, k, v, contiguous_mask, scale, first_key, out, lse, sinks).run();
   });
   return {out, lse};
 }

@@ -15,9 +15,10 @@ namespace causal_attention::kernels {
 bool decodes_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::optional<int64_t> window,
                    std::optional<double> softcap, double dropout_p);
 
-// attention_heads_forward_cpu's (out (B, Tq, H, hd), lse (B, H, Tq)) for such a call (checked by the caller).
+// attention_heads_forward_cpu's (out (B, Tq, H, hd), lse (B, H, Tq)) for such a call (checked by the caller);
+// sinks (H,) in lse's dtype, or undefined.
 std::tuple<at::Tensor, at::Tensor> decode_heads_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const std::optional<at::Tensor>& mask, double scale,
-                                                    std::optional<int64_t> window);
+                                                    std::optional<int64_t> window, const at::Tensor& sinks = {});
 
 }  // namespace causal_attention::kernels

@@ -33,6 +33,7 @@
 #include "blas.h"
 #include "config.h"
 #include "decode_heads.h"
+#include "decode_merge.h"
 #include "causal_attention/attention.h"
 #include "philox.h"
 #include "schedule.h"
@@ -260,8 +261,10 @@ class ForwardPass {
  public:
   using acc_t = at::opmath_type<scalar_t>;
 
+  // sinks: (H,) acc_t, or undefined (none).
   ForwardPass(const HeadOperands<const scalar_t>& in, const std::optional<at::Tensor>& mask, const Geometry& g,
-              const ScoreRule& rule, const OptionalDropout& drop, const at::Tensor& out, const at::Tensor& lse)
+              const ScoreRule& rule, const OptionalDropout& drop, const at::Tensor& out, const at::Tensor& lse,
+              const at::Tensor& sinks = {})
       : in_(in),
         g_(g),
         rule_(rule),
@@ -269,6 +272,7 @@ class ForwardPass {
         drop_(drop),
         out_(out.data_ptr<scalar_t>()),
         lse_(lse.data_ptr<acc_t>()),
+        sinks_(sinks.defined() ? sinks.const_data_ptr<acc_t>() : nullptr),
         softmax_scale_(static_cast<acc_t>(softmax_scale(rule))),
         products_(products_for<scalar_t>(g.hd)) {}
 
@@ -390,6 +394,11 @@ class ForwardPass {
         tile(rows, q_block, bh, qp + r0, r0, r1 - r0, k0, pair_cols(products_, cols, packed), key_mask, block, ws);
       });
     }
+    if (sinks_ != nullptr) {
+      for (int64_t r = 0; r < bq; ++r) {
+        merge_sink(sinks_[h], g_.hd, ws.o.data() + r * g_.hd, ws.m[r], ws.l[r]);
+      }
+    }
     tile::tile_ops<scalar_t>().finalize(ws.o.data(), g_.hd, bq, g_.hd, ws.m.data(), ws.l.data(),
                                         out_ + (b * g_.Tq + q0) * g_.dim + h * g_.hd, g_.dim, lse_ + bh * g_.Tq + q0);
   }
@@ -440,6 +449,7 @@ class ForwardPass {
   const OptionalDropout drop_;
   scalar_t* out_;
   acc_t* lse_;
+  const acc_t* sinks_;  // (H,) or nullptr
   const acc_t softmax_scale_;
   const Products products_;
 };
@@ -737,8 +747,9 @@ ScoreRule score_rule(int64_t hd, std::optional<double> scale, std::optional<int6
 
 template <typename scalar_t>
 void forward(const HeadOperands<const scalar_t>& in, const std::optional<at::Tensor>& mask, const Geometry& g,
-             const ScoreRule& rule, const OptionalDropout& drop, const at::Tensor& out, const at::Tensor& lse) {
-  ForwardPass<scalar_t>(in, mask, g, rule, drop, out, lse).run();
+             const ScoreRule& rule, const OptionalDropout& drop, const at::Tensor& out, const at::Tensor& lse,
+             const at::Tensor& sinks = {}) {
+  ForwardPass<scalar_t>(in, mask, g, rule, drop, out, lse, sinks).run();
 }
 
 }  // namespace
@@ -811,24 +822,25 @@ at::Tensor attention_backward_cpu(const at::Tensor& grad_out_in, const at::Tenso
 std::tuple<at::Tensor, at::Tensor> attention_heads_forward_cpu(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const std::optional<at::Tensor>& mask_in,
     std::optional<double> scale, std::optional<int64_t> window, std::optional<double> softcap, double dropout_p,
-    const std::optional<at::Tensor>& seed) {
-  check_heads(q_in, k_in, v_in, mask_in, scale, window, softcap, dropout_p);
+    const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& sinks_in) {
+  check_heads(q_in, k_in, v_in, mask_in, scale, window, softcap, dropout_p, sinks_in);
   const int64_t B = q_in.size(0), H = q_in.size(1), Tq = q_in.size(2), hd = q_in.size(3);
   const int64_t Hkv = k_in.size(1), Tk = k_in.size(2);
   if (tile::computes_in_float64(q_in.scalar_type(), hd)) {
     auto [out, lse] = attention_heads_forward_cpu(q_in.to(at::kDouble), k_in.to(at::kDouble), v_in.to(at::kDouble),
-                                                  mask_in, scale, window, softcap, dropout_p, seed);
+                                                  mask_in, scale, window, softcap, dropout_p, seed, sinks_in);
     return {out.to(at::kFloat), lse};
   }
+  const auto acc_dtype = q_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor sinks = sinks_in.has_value() ? sinks_in->to(acc_dtype).contiguous() : at::Tensor();
   const auto drop = dropout_of(dropout_p, seed);
   const auto rule = score_rule(hd, scale, window, softcap);
   if (decodes_heads(q_in, k_in, v_in, window, softcap, dropout_p)) {  // a decode step: stream the past once
-    return decode_heads_cpu(q_in, k_in, v_in, mask_in, rule.scale, window);
+    return decode_heads_cpu(q_in, k_in, v_in, mask_in, rule.scale, window, sinks);
   }
   const auto q = heads_rows(q_in), k = heads_rows(k_in), v = heads_rows(v_in);
   const auto mask = contiguous_mask(mask_in);
   const auto g = geometry(B, Tq, Tk, H, Hkv, hd, rule.window, kBlockQ, kBlockK);
-  const auto acc_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   auto out = at::empty({B, Tq, H, hd}, q.options());
   auto lse = at::empty({B, H, Tq}, q.options().dtype(acc_dtype));
   if (out.numel() == 0) {
@@ -838,9 +850,24 @@ std::tuple<at::Tensor, at::Tensor> attention_heads_forward_cpu(
     const HeadOperands<const scalar_t> in{heads_view(q.const_data_ptr<scalar_t>(), q),
                                           heads_view(k.const_data_ptr<scalar_t>(), k),
                                           heads_view(v.const_data_ptr<scalar_t>(), v)};
-    forward<scalar_t>(in, mask, g, rule, drop, out, lse);
+    forward<scalar_t>(in, mask, g, rule, drop, out, lse, sinks);
   });
   return {out, lse};
+}
+
+at::Tensor attention_sinks_backward(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
+                                    const at::Tensor& sinks) {
+  // Symbolic sizes: the op is composite, traced with the shapes torch.compile and torch.export give it.
+  TORCH_CHECK_VALUE(out.dim() == 4 && grad_out.sym_sizes() == out.sym_sizes() && lse.dim() == 3 &&
+                        lse.sym_size(0) == out.sym_size(0) && lse.sym_size(1) == out.sym_size(2) &&
+                        lse.sym_size(2) == out.sym_size(1) && sinks.dim() == 1 && sinks.sym_size(0) == out.sym_size(2),
+                    "attention_sinks_backward: grad_out and out (B, Tq, H, hd), lse (B, H, Tq) and sinks (H,) must "
+                    "match; got ", grad_out.sym_sizes(), ", ", out.sym_sizes(), ", ", lse.sym_sizes(), " and ",
+                    sinks.sym_sizes());
+  const auto acc = lse.scalar_type();
+  const auto rows = (grad_out.to(acc) * out.to(acc)).sum(-1).transpose(1, 2);  // (B, H, Tq): dO . O
+  const auto sink_p = at::exp(sinks.to(acc).view({1, -1, 1}) - lse);           // 0 where lse = +inf (no key)
+  return (sink_p * rows).sum({0, 2}).neg().to(sinks.scalar_type());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_heads_backward_cpu(

@@ -285,6 +285,49 @@ TEST(KernelHeads, QueriesEndingAPastWithWindowAndSoftcap) {
   EXPECT_LE(max_abs_diff(out, expected), 1e-12);
 }
 
+// Attention sinks (gpt-oss): a logit per query head in every row's softmax, value 0. The tiled forward (a
+// prefill) and the streaming route (one query against a past), their lse, and the sinks' gradient, held to
+// the ATen math (the sink's logit concatenated to each row's scores) and its autograd.
+TEST(KernelHeads, SinksJoinEachRowsSoftmax) {
+  torch::manual_seed(13);
+  const int64_t B = 2, H = 4, Hkv = 2, Tk = 70, hd = 16;
+  const auto sinks = torch::tensor({-30.0, 0.5, -1.0, 40.0}, torch::kFloat64).requires_grad_();
+  for (const int64_t Tq : {int64_t{1}, Tk}) {
+    const auto q = torch::randn({B, H, Tq, hd}, torch::kFloat64);
+    const auto k = torch::randn({B, Hkv, Tk, hd}, torch::kFloat64);
+    const auto v = torch::randn({B, Hkv, Tk, hd}, torch::kFloat64);
+    const auto mask = torch::rand({B, Tk}) < 0.8;
+    const auto [out, lse] =
+        kernels::attention_heads_forward_cpu(q, k, v, mask, std::nullopt, std::nullopt, std::nullopt, 0.0,
+                                             std::nullopt, sinks.detach());
+    const auto groups = [&](const torch::Tensor& t) { return t.repeat_interleave(H / Hkv, 1); };
+    const auto scores = torch::matmul(q, groups(k).transpose(2, 3)) / std::sqrt(double(hd));  // (B, H, Tq, Tk)
+    const auto position = torch::arange(Tk - Tq, Tk).unsqueeze(1);
+    const auto allowed = (torch::arange(Tk).unsqueeze(0) <= position).unsqueeze(0).unsqueeze(0)
+                             .logical_and(mask.unsqueeze(1).unsqueeze(1));
+    const auto logits = torch::cat({scores.masked_fill(allowed.logical_not(), -INFINITY),
+                                    sinks.view({1, H, 1, 1}).expand({B, H, Tq, 1})}, -1);
+    const auto weights = torch::softmax(logits, -1).narrow(-1, 0, Tk);
+    const auto expected = torch::matmul(weights, groups(v)).transpose(1, 2);  // (B, Tq, H, hd)
+    EXPECT_LE(max_abs_diff(out, expected.detach()), 1e-12) << "Tq " << Tq;
+    EXPECT_LE(max_abs_diff(lse, torch::logsumexp(logits, -1).detach()), 1e-12) << "Tq " << Tq;
+    const auto grad_out = torch::randn_like(out);
+    const auto expected_grad = torch::autograd::grad({expected}, {sinks}, {grad_out})[0];
+    const auto grad = kernels::attention_sinks_backward(grad_out, out, lse, sinks.detach());
+    EXPECT_LE(max_abs_diff(grad, expected_grad), 1e-12) << "Tq " << Tq;
+    // A sink of -inf takes no weight: no sinks, bit for bit.
+    const auto none = kernels::attention_heads_forward_cpu(q, k, v, mask);
+    const auto minus_inf = kernels::attention_heads_forward_cpu(
+        q, k, v, mask, std::nullopt, std::nullopt, std::nullopt, 0.0, std::nullopt, torch::full({H}, -INFINITY));
+    EXPECT_TRUE(torch::equal(std::get<0>(none), std::get<0>(minus_inf)));
+    EXPECT_TRUE(torch::equal(std::get<1>(none), std::get<1>(minus_inf)));
+  }
+  EXPECT_THROW(kernels::attention_heads_forward_cpu(torch::randn({1, 4, 3, 8}), torch::randn({1, 2, 5, 8}),
+                                                    torch::randn({1, 2, 5, 8}), std::nullopt, std::nullopt,
+                                                    std::nullopt, std::nullopt, 0.0, std::nullopt, torch::zeros({3})),
+               c10::ValueError);
+}
+
 TEST(KernelHeads, BadArgumentsAreNamed) {
   const auto q = torch::randn({1, 4, 6, 8});
   const auto k = torch::randn({1, 2, 5, 8});

@@ -324,7 +324,27 @@ def test_fallback_reasons_name_the_cause() -> None:
     assert "dropout with a past" in " ".join(hf_attention.fallback_reasons(module, q, kv, kv, None, dropout=0.1))
     assert "not causal" in " ".join(hf_attention.fallback_reasons(module, q, q, q, None, is_causal=False))
     assert "sinks is set" in " ".join(hf_attention.fallback_reasons(module, q, q, q, None, sinks=torch.zeros(4)))
+    assert hf_attention.fallback_reasons(module, q, kv, kv, served, s_aux=torch.zeros(4)) == []
+    assert "s_aux must be one floating logit per query head (4,)" in " ".join(
+        hf_attention.fallback_reasons(module, q, q, q, None, s_aux=torch.zeros(2, 4)))
     assert "mixed dtypes" in " ".join(hf_attention.fallback_reasons(module, q, kv.double(), kv, None))
+
+
+def test_a_fallback_with_sinks_goes_to_eager() -> None:
+    """A call the engine cannot serve (here: not causal) with gpt-oss's sinks goes to the model's eager
+    attention, as transformers would (sdpa would ignore the sinks): the same output as eager's."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    config = transformers.GptOssConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       num_hidden_layers=1)
+    module = modeling_gpt_oss.GptOssAttention(config, 0)
+    with torch.no_grad():
+        module.sinks.normal_()
+    q, k, v = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
+    out, _ = hf_attention.causal_attention_forward(module, q, k, v, None, scaling=0.25, is_causal=False,
+                                                   s_aux=module.sinks)
+    eager, _ = modeling_gpt_oss.eager_attention_forward(module, q, k, v, None, scaling=0.25)
+    assert torch.equal(out, eager)
 
 
 def test_mask_function_hands_on_the_keys_each_call_sees() -> None:

@@ -1,11 +1,13 @@
 """Every attention call of transformers' decoder models on the engine, counted.
 
 GPT-2, Llama (multi-head, grouped-query, multi-query), Qwen2, Mistral (sliding window), Gemma 2
-(softcap, query_pre_attn_scalar, alternating sliding layers) and Phi-3 of random weights, in float32:
+(softcap, query_pre_attn_scalar, alternating sliding layers), Phi-3 and gpt-oss (attention sinks,
+alternating sliding layers, experts) of random weights, in float32:
 left- and right-padded forward, training, and greedy generate with the dynamic and the static cache.
 Every call must be served by the engine (any fallback fails the test, with its reasons), the logits
-must equal transformers' own implementation (sdpa; eager for Gemma 2, which sdpa refuses) to 1e-4 at
-the real positions, the gradients to 1e-4 relative, and generate must give the same tokens.
+must equal transformers' own implementation (sdpa; eager for Gemma 2 and gpt-oss, which sdpa cannot
+serve) to 1e-4 at the real positions, the gradients to 1e-4 relative, and generate must give the same
+tokens.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ def _models() -> dict[str, tuple[Callable[[], Any], str, str]]:
         "gemma2": (lambda: t.Gemma2Config(**_common(num_key_value_heads=2, head_dim=16, sliding_window=7,
                                                     query_pre_attn_scalar=20)), "Gemma2ForCausalLM", "eager"),
         "phi3": (lambda: t.Phi3Config(**_common(num_key_value_heads=2)), "Phi3ForCausalLM", "sdpa"),
+        "gpt_oss": (lambda: t.GptOssConfig(**_common(num_key_value_heads=2, head_dim=16, sliding_window=7,
+                                                     num_local_experts=4, num_experts_per_tok=2,
+                                                     rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+                    "GptOssForCausalLM", "eager"),
     }
 
 
@@ -135,10 +141,12 @@ def test_a_wrong_window_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
         assert rel_err(ours(ids, attention_mask=mask).logits[real], theirs(ids, attention_mask=mask).logits[real]) > 1e-3
 
 
-def test_compiled_fullgraph_decode_with_a_static_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("name", ["llama_gqa", "gpt_oss"])
+def test_compiled_fullgraph_decode_with_a_static_cache(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """generate with a static cache and the decode step compiled (fullgraph): the static cache's tensor
-    offset is traced (each query's keys marked by the mask, no graph break), tokens equal sdpa's."""
-    ours, theirs = _twins("llama_gqa")
+    offset is traced (each query's keys marked by the mask, no graph break), tokens equal transformers'
+    own implementation's (gpt-oss: its sinks and sliding layers too)."""
+    ours, theirs = _twins(name)
     ids, mask = _batch()
     options: dict[str, Any] = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
                                    cache_implementation="static")

@@ -35,10 +35,12 @@ void check_qkv(const at::Tensor& qkv, int64_t n_heads, int64_t n_kv_heads);
 
 // Validates the operands of attention over separate heads (attention_heads_forward): q (B, H, Tq, hd), k and
 // v (B, Hkv, Tk, hd) of one floating dtype and device, Hkv dividing H, Tq <= Tk; key_mask bool (B, Tk);
-// scale and softcap positive and finite, window positive; dropout only where Tq = Tk.
+// scale and softcap positive and finite, window positive; dropout only where Tq = Tk; sinks floating (H,) on
+// q's device.
 void check_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const std::optional<at::Tensor>& key_mask, std::optional<double> scale, std::optional<int64_t> window,
-                 std::optional<double> softcap, double dropout_p);
+                 std::optional<double> softcap, double dropout_p,
+                 const std::optional<at::Tensor>& sinks = std::nullopt);
 
 // Validates a user key padding mask against x (B, T, dim) and returns it as a bool (B, T)
 // tensor (an integer 0/1 mask means the same as bool; a float mask is ambiguous: TypeError).
@@ -132,22 +134,31 @@ at::Tensor attention_backward_cpu(const at::Tensor& grad_out, const at::Tensor& 
 // Query i sits at key position Tk - Tq + i (Tq <= Tk: a prefill, or queries against a cache) and sees
 // the keys j <= that position whose key_mask (B, Tk) bool entry is true (none: all), and with a window
 // only those with position - j < window. Scores are q . k * scale (default 1 / sqrt(hd)), with a softcap
-// softcap * tanh(scores / softcap). Returns (out (B, Tq, H, hd), lse (B, H, Tq), float32 or float64);
-// a query with no allowed key gives 0 and lse +inf. dropout_p > 0 needs Tq = Tk (as attention_forward_cpu).
+// softcap * tanh(scores / softcap). sinks (H,) (gpt-oss): query head h's softmax takes one more logit,
+// sinks[h], of value 0, so that its weights sum to less than 1. Returns (out (B, Tq, H, hd), lse (B, H, Tq),
+// float32 or float64, the sink's logit included); a query with no allowed key gives 0 and lse +inf.
+// dropout_p > 0 needs Tq = Tk (as attention_forward_cpu).
 std::tuple<at::Tensor, at::Tensor> attention_heads_forward_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& key_mask,
     std::optional<double> scale = std::nullopt, std::optional<int64_t> window = std::nullopt,
     std::optional<double> softcap = std::nullopt, double dropout_p = 0.0,
-    const std::optional<at::Tensor>& seed = std::nullopt);
+    const std::optional<at::Tensor>& seed = std::nullopt, const std::optional<at::Tensor>& sinks = std::nullopt);
 
 // Its backward from the forward's out and lse: (dq, dk, dv), each of its input's shape (and layout where
-// that is dense). The other arguments must be the forward's.
+// that is dense). The other arguments must be the forward's; with sinks, the forward's out and lse carry
+// them (attention_sinks_backward gives the sinks' own gradient).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_heads_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& key_mask, const at::Tensor& out, const at::Tensor& lse,
     std::optional<double> scale = std::nullopt, std::optional<int64_t> window = std::nullopt,
     std::optional<double> softcap = std::nullopt, double dropout_p = 0.0,
     const std::optional<at::Tensor>& seed = std::nullopt);
+
+// The gradient of the sinks (H,) of attention_heads_forward_cpu from its out (B, Tq, H, hd), lse (B, H, Tq)
+// and grad_out: -sum over b, i of e^(sinks[h] - lse) * (grad_out . out) (a sink's probability times the
+// row's dO . O), in the sinks' dtype. ATen operations: differentiable, and traced as they are.
+at::Tensor attention_sinks_backward(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
+                                    const at::Tensor& sinks);
 
 // The layout of attention_heads_backward_cpu's gradient of x (B, heads, T, hd): x's where x is dense with
 // its last dimension dense (transformers' query, a transposed view), else contiguous. Its meta kernel too.

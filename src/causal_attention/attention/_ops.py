@@ -208,30 +208,48 @@ def attention(
 
 
 class _HeadsFunction(torch.autograd.Function):
-    """attention_heads_forward's autograd: the fused backward (attention_heads_backward) from the saved lse.
-    A double backward differentiates the reference (_HeadsBackwardFunction)."""
+    """attention_heads_forward's autograd: the fused backward (attention_heads_backward) from the saved lse,
+    the sinks' gradient from out and lse. A double backward differentiates the reference
+    (_HeadsBackwardFunction)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None, window: int | None,
-        softcap: float | None, dropout_p: float, seed: Tensor | None,
+        softcap: float | None, dropout_p: float, seed: Tensor | None, sinks: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
         return torch.ops.causal_attention.attention_heads_forward(q, k, v, mask, scale, window, softcap, dropout_p,
-                                                                  seed)
+                                                                  seed, sinks)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-        q, k, v, mask, scale, window, softcap, dropout_p, seed = inputs
+        q, k, v, mask, scale, window, softcap, dropout_p, seed, sinks = inputs
         out, lse = output
-        ctx.save_for_backward(q, k, v, mask, out, lse, seed)
+        ctx.save_for_backward(q, k, v, mask, out, lse, seed, sinks)
         ctx.options = (scale, window, softcap, dropout_p)
         ctx.mark_non_differentiable(lse)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, mask, out, lse, seed = ctx.saved_tensors
-        dq, dk, dv = _HeadsBackwardFunction.apply(grad_out, q, k, v, mask, out, lse, *ctx.options, seed)
-        return dq, dk, dv, None, None, None, None, None, None
+        q, k, v, mask, out, lse, seed, sinks = ctx.saved_tensors
+        if sinks is None:
+            dq, dk, dv = _HeadsBackwardFunction.apply(grad_out, q, k, v, mask, out, lse, *ctx.options, seed)
+            d_sinks = None
+        else:
+            dq, dk, dv, d_sinks = _HeadsSinksBackwardFunction.apply(grad_out, q, k, v, mask, out, lse, *ctx.options,
+                                                                    seed, sinks)
+        return dq, dk, dv, None, None, None, None, None, None, d_sinks
+
+
+def _reference_heads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sinks: Tensor | None, scale: float | None,
+                     window: int | None, softcap: float | None, dropout_p: float, seed: Tensor | None) -> Tensor:
+    """reference.attention in the op's layout (B, Tq, H, hd), with the engine's dropout decisions."""
+    keep = None
+    if dropout_p > 0:
+        B, H, T = q.shape[0], q.shape[1], q.shape[2]
+        keep = torch.ops.causal_attention.dropout_keep_mask(seed, B, H, T, dropout_p)  # (B, H, T, T)
+    y, _ = reference.attention(q, k, v, key_mask=mask, scale=scale, window=window, softcap=softcap, sinks=sinks,
+                               dropout_p=dropout_p, keep=keep)
+    return y.transpose(1, 2)
 
 
 class _HeadsBackwardFunction(torch.autograd.Function):
@@ -254,19 +272,9 @@ class _HeadsBackwardFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, gq: Tensor, gk: Tensor, gv: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         grad_out, q, k, v, mask, seed = ctx.saved_tensors
-        scale, window, softcap, dropout_p = ctx.options
-        keep = None
-        if dropout_p > 0:
-            B, H, T = q.shape[0], q.shape[1], q.shape[2]
-            keep = torch.ops.causal_attention.dropout_keep_mask(seed, B, H, T, dropout_p)  # (B, H, T, T)
-
-        def core(q_: Tensor, k_: Tensor, v_: Tensor) -> Tensor:  # (B, Tq, H, hd), the op's layout
-            y, _ = reference.attention(q_, k_, v_, key_mask=mask, scale=scale, window=window, softcap=softcap,
-                                       dropout_p=dropout_p, keep=keep)
-            return y.transpose(1, 2)
 
         def first_grad(go: Tensor, q_: Tensor, k_: Tensor, v_: Tensor) -> tuple[Tensor, ...]:
-            _, vjp = torch.func.vjp(core, q_, k_, v_)
+            _, vjp = torch.func.vjp(lambda *x: _reference_heads(*x, mask, None, *ctx.options, seed), q_, k_, v_)
             return vjp(go)
 
         _, vjp2 = torch.func.vjp(first_grad, grad_out, q, k, v)
@@ -274,21 +282,59 @@ class _HeadsBackwardFunction(torch.autograd.Function):
         return d_grad_out, dq, dk, dv, None, None, None, None, None, None, None, None
 
 
+class _HeadsSinksBackwardFunction(torch.autograd.Function):
+    """The backward with sinks: (dq, dk, dv) from the fused backward (the sinks are in out and lse), the
+    sinks' gradient from attention_sinks_backward; a double backward differentiates the reference."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor,
+        scale: float | None, window: int | None, softcap: float | None, dropout_p: float, seed: Tensor | None,
+        sinks: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        dq, dk, dv = torch.ops.causal_attention.attention_heads_backward(grad_out, q, k, v, mask, out, lse, scale,
+                                                                         window, softcap, dropout_p, seed)
+        return dq, dk, dv, torch.ops.causal_attention.attention_sinks_backward(grad_out, out, lse, sinks)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        grad_out, q, k, v, mask, _out, _lse, scale, window, softcap, dropout_p, seed, sinks = inputs
+        ctx.save_for_backward(grad_out, q, k, v, mask, seed, sinks)
+        ctx.options = (scale, window, softcap, dropout_p)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, gq: Tensor, gk: Tensor, gv: Tensor, gs: Tensor,
+    ) -> tuple[Tensor | None, ...]:
+        grad_out, q, k, v, mask, seed, sinks = ctx.saved_tensors
+
+        def first_grad(go: Tensor, q_: Tensor, k_: Tensor, v_: Tensor, s_: Tensor) -> tuple[Tensor, ...]:
+            _, vjp = torch.func.vjp(lambda q1, k1, v1, s1: _reference_heads(q1, k1, v1, mask, s1, *ctx.options, seed),
+                                    q_, k_, v_, s_)
+            return vjp(go)
+
+        _, vjp2 = torch.func.vjp(first_grad, grad_out, q, k, v, sinks)
+        d_grad_out, dq, dk, dv, ds = vjp2((gq, gk, gv, gs))
+        return d_grad_out, dq, dk, dv, None, None, None, None, None, None, None, None, ds
+
+
 def attention_heads(
     q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None = None, *, scale: float | None = None,
-    window: int | None = None, softcap: float | None = None, dropout_p: float = 0.0, seed: Tensor | None = None,
+    window: int | None = None, softcap: float | None = None, sinks: Tensor | None = None, dropout_p: float = 0.0,
+    seed: Tensor | None = None,
 ) -> Tensor:
     """The fused attention over separate heads, with autograd: transformers' attention call.
 
     q (B, H, Tq, hd), k and v (B, Hkv, Tk, hd) (Hkv dividing H, Tq <= Tk: query i at key position
     Tk - Tq + i), key_mask (B, Tk) bool (True = a real key) or None -> (B, Tq, H, hd). scale (default
-    1 / sqrt(hd)), window (keys per query, its own included) and softcap as reference.attention.
-    dropout_p needs Tq = Tk; its keep decisions are those of attention() (seed drawn when None).
+    1 / sqrt(hd)), window (keys per query, its own included), softcap and sinks (H,) (one logit per
+    query head in every row's softmax, differentiable) as reference.attention. dropout_p needs Tq = Tk;
+    its keep decisions are those of attention() (seed drawn when None).
     """
     if dropout_p > 0 and seed is None:
         seed = draw_seed()
     out, _lse = _HeadsFunction.apply(q, k, v, key_mask, scale, window, softcap, dropout_p,
-                                     seed if dropout_p > 0 else None)
+                                     seed if dropout_p > 0 else None, sinks)
     return out
 
 

@@ -61,20 +61,22 @@ def attention(
     scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
     return_weights: bool = False,
     dropout_p: float = 0.0,
     keep: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Causal attention of queries that end a key sequence, with grouped key/value heads: the
     attention of transformers' decoder models (prefill, decoding against a cache, GQA and MQA,
-    sliding windows, Gemma 2's logit softcapping).
+    sliding windows, Gemma 2's logit softcapping, gpt-oss's attention sinks).
 
     Query head h reads key/value head h // (H / Hkv). Query i sits at position Tk - Tq + i and attends
     key j when j <= that position, key_mask[b, j] is True (when given) and, with a window, when the
     position minus j is less than the window (the window's keys include the query's own). Scores are
     q . k * scale (q . k / sqrt(hd) when scale is None, as attention_core computes them), then
-    softcap * tanh(scores / softcap) with a softcap, then -inf where not allowed. A row with no
-    allowed key gives 0.
+    softcap * tanh(scores / softcap) with a softcap, then -inf where not allowed. With sinks, head h's
+    softmax takes one more logit, sinks[h], whose value is 0 (its weight is dropped): the row's weights
+    sum to less than 1. A row with no allowed key gives 0.
 
     Args:
         q: (B, H, Tq, hd).
@@ -83,6 +85,7 @@ def attention(
         scale: the factor of the scores, or None for 1 / sqrt(hd).
         window: keys per query, its own included (a positive int), or None for no limit.
         softcap: the cap of the scores (positive), or None for none.
+        sinks: (H,) the sink logit of each query head (after the scale and the cap), or None.
         return_weights: also return the attention weights (after dropout).
         dropout_p: attention-weight dropout, in [0, 1): weights = softmax * keep / (1 - dropout_p).
         keep: (B, H, Tq, Tk) bool, the weights kept; needed when dropout_p > 0.
@@ -90,7 +93,7 @@ def attention(
     Returns:
         (y, weights): y (B, H, Tq, hd); weights (B, H, Tq, Tk) or None.
     """
-    _check_attention(q, k, v, key_mask, window, softcap, dropout_p, keep)
+    _check_attention(q, k, v, key_mask, window, softcap, dropout_p, keep, sinks)
     B, H, Tq, hd = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     if Hkv != H:  # (a copy changes how matmul reads them, and its rounding: none where not needed)
@@ -111,7 +114,11 @@ def attention(
         allowed = allowed & key_mask[:, None, None, :]  # (B, 1, Tq, Tk)
     scores = scores.masked_fill(~allowed, float("-inf"))
 
-    weights = torch.softmax(scores, dim=-1)  # (B, H, Tq, Tk); NaN on rows with no allowed key
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1)  # (B, H, Tq, Tk); NaN on rows with no allowed key
+    else:  # the sink's logit joins each row's softmax, its weight then dropped
+        sink = sinks.to(scores.dtype)[:, None, None].expand(B, H, Tq, 1)  # (B, H, Tq, 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :Tk]  # (B, H, Tq, Tk)
     has_key = allowed.any(dim=-1, keepdim=True)  # (B or 1, 1, Tq, 1)
     weights = torch.where(has_key, weights, torch.zeros_like(weights))  # such rows give 0
     if dropout_p > 0:
@@ -122,7 +129,7 @@ def attention(
 
 
 def _check_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, window: int | None,
-                     softcap: float | None, dropout_p: float, keep: Tensor | None) -> None:
+                     softcap: float | None, dropout_p: float, keep: Tensor | None, sinks: Tensor | None) -> None:
     """attention()'s arguments, each error naming the argument and what was expected."""
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout must be a probability in [0, 1); got {dropout_p}")
@@ -146,6 +153,9 @@ def _check_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, w
         raise ValueError(f"window must be a positive number of keys; got {window}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive; got {softcap}")
+    if sinks is not None and (sinks.shape != (H,) or not sinks.is_floating_point()):
+        raise ValueError(f"sinks must be a floating ({H},) tensor, one logit per query head; got {sinks.dtype} "
+                         f"{tuple(sinks.shape)}")
 
 
 def attend(weights: Tensor, allowed: Tensor, v: Tensor) -> Tensor:

@@ -17,9 +17,10 @@
   transformers' ``sdpa_mask`` returns.
 - an attention function (``AttentionInterface``): it runs the engine's fused kernel on every call it
   can serve: prefill and training, decode steps against dynamic and static caches, grouped-query and
-  multi-query heads (each key/value head read once for its group), any scale, sliding windows and
-  logit softcapping. It falls back (``fallback_reasons`` says why) to where transformers would go:
-  ``sdpa_attention_forward``, or the model's eager attention where sdpa cannot serve (softcap).
+  multi-query heads (each key/value head read once for its group), any scale, sliding windows, logit
+  softcapping and per-head attention sinks (gpt-oss's ``s_aux``). It falls back (``fallback_reasons`` says
+  why) to where transformers would go: ``sdpa_attention_forward``, or the model's eager attention where
+  sdpa cannot serve (softcap, sinks).
 
 Queries, keys and values are read where transformers left them: the engine takes any layout whose
 head rows are dense (a query transposed from (B, T, H, hd), a cache's (B, Hkv, max_len, hd) buffer
@@ -44,9 +45,12 @@ from ..attention.backends import unsupported_reasons
 DEFAULT_NAME = "causal_attention"
 
 # Keyword arguments of an attention call that change what attention computes and that the engine does
-# not take: with any of them set (not None, not False) the call falls back. Attention sinks (s_aux,
-# sinks: gpt-oss) add a per-head logit to every row's softmax; no model of this project's scope uses them.
-_UNSERVED_KWARGS = ("position_bias", "s_aux", "sinks", "head_mask")
+# not take: with any of them set (not None, not False) the call falls back. (`sinks`: a logit per query
+# row, computed from the hidden states; the engine takes one per head, `s_aux`.)
+_UNSERVED_KWARGS = ("position_bias", "sinks", "head_mask")
+# Keyword arguments that sdpa_attention_forward does not take (it refuses softcap and ignores sinks): a
+# fallback with any of them set goes to the model's eager attention.
+_EAGER_KWARGS = ("softcap", "s_aux", "sinks")
 
 
 def _window_of_mask_function(mask_function: Callable[..., Any]) -> tuple[bool, int | None]:
@@ -230,6 +234,11 @@ def fallback_reasons(
     for name in _UNSERVED_KWARGS:
         if kwargs.get(name) is not None and kwargs.get(name) is not False:
             reasons.append(f"{name} is set")
+    s_aux = kwargs.get("s_aux")
+    if s_aux is not None and not (isinstance(s_aux, Tensor) and s_aux.shape == (H,) and s_aux.is_floating_point()
+                                  and s_aux.device == query.device):
+        shape = tuple(s_aux.shape) if isinstance(s_aux, Tensor) else type(s_aux).__name__
+        reasons.append(f"s_aux must be one floating logit per query head ({H},) on the query's device; got {shape}")
     seen = Tk
     ours, key_mask = engine_key_mask(attention_mask)
     if not ours:
@@ -278,18 +287,19 @@ def causal_attention_forward(
     window = kwargs.get("sliding_window")
     window = window if window is not None and window < seen else None  # a window holding every key is none
     softcap = kwargs.get("softcap")
-    plain = (key.shape[1] == H and Tq == seen and window is None and softcap is None
+    sinks = kwargs.get("s_aux")  # (H,): gpt-oss
+    plain = (key.shape[1] == H and Tq == seen and window is None and softcap is None and sinks is None
              and (scaling is None or scaling == hd**-0.5))
     qkv = fused_view(query, key, value) if plain else None
     if qkv is not None:  # GPT-2: one c_attn buffer, read as it is
         out = _ops.attention(qkv, key_mask, H, dropout_p=float(dropout)).view(B, Tq, H, hd)
     else:
         out = _ops.attention_heads(query, key, value, key_mask, scale=scaling, window=window, softcap=softcap,
-                                   dropout_p=float(dropout))  # (B, Tq, H, hd)
+                                   sinks=sinks, dropout_p=float(dropout))  # (B, Tq, H, hd)
     weights = None
     if kwargs.get("output_attentions"):  # on request only: (B, H, Tq, seen), materialised
         _, weights = reference.attention(query, key, value, key_mask=key_mask, scale=scaling, window=window,
-                                         softcap=softcap, return_weights=True)
+                                         softcap=softcap, sinks=sinks, return_weights=True)
     return out, weights
 
 
@@ -318,17 +328,18 @@ def _fallback(
     attention_mask: Tensor | None,
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor | None]:
-    """Where transformers itself would go: its sdpa_attention_forward, or where sdpa refuses the call
-    (a softcap) the model's own eager attention, given the mask either would have had."""
+    """Where transformers itself would go: its sdpa_attention_forward, or where sdpa cannot serve the call
+    (a softcap, sinks) the model's own eager attention, given the mask either would have had."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     mask = _dense_mask(attention_mask, query, key, kwargs.get("sliding_window"))
-    if kwargs.get("softcap") is None:
+    eager_only = [name for name in _EAGER_KWARGS if kwargs.get(name) is not None]
+    if not eager_only:
         return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
-        raise ValueError(f"softcap is set and {type(module).__name__}'s module has no eager_attention_forward to fall "
-                         "back to (sdpa refuses softcap)")
+        raise ValueError(f"{', '.join(eager_only)} set and {type(module).__name__}'s module has no "
+                         "eager_attention_forward to fall back to (sdpa cannot serve it)")
     if mask is not None and mask.dtype == torch.bool:  # eager adds its mask to the scores
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~mask, torch.finfo(query.dtype).min)
