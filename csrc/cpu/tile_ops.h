@@ -85,10 +85,12 @@ struct TileOps {
   void (*probabilities)(scalar_t* s, int64_t ld, int64_t rows, int64_t cols, acc_t scale, int64_t causal_offset,
                         const bool* key_mask, const acc_t* lse);
 
-  // Decode, one chunk of n cached keys for a few query rows (q: rows x hd, acc_t, contiguous):
-  // row i sees keys j <= i + causal_offset; updates its running max m, sum l and output o (hd),
-  // reading each key and value row once for a group of up to kDecodeGroupRows rows (where the ISA has
-  // the blocked kernels; once per row elsewhere). buf: >= kDecodeGroupRows * n scratch.
+  // Decode, one chunk of n cached keys for a few query rows (q: rows x hd, acc_t, contiguous, values of
+  // scalar_t widened): row i sees keys j <= i + causal_offset; updates its running max m, sum l and
+  // output o (hd), reading each key and value row once for a group of up to kDecodeGroupRows rows (where
+  // the ISA has the blocked kernels; once per row elsewhere). bfloat16 on AVX512-BF16 (hd 32, 64, 96,
+  // 128) weighs the values with the probabilities rounded to bfloat16, as the tiled kernel's pairs do.
+  // buf: >= kDecodeGroupRows * n scratch.
   void (*decode_chunk)(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_t* v, int64_t ld, int64_t n,
                        int64_t hd, acc_t scale, int64_t causal_offset, acc_t* m, acc_t* l, acc_t* o, acc_t* buf);
 

@@ -2,6 +2,7 @@
 // softmax update and the weighted sum of the values, each row read once per query).
 #include <cstring>
 
+#include "cpu/bf16_pairs.h"
 #include "cpu/exp.h"
 #include "cpu/families.h"
 #include "cpu/vec.h"
@@ -364,6 +365,182 @@ inline void weighted_group(const float* p, int64_t ldp, const scalar_t* v, int64
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// bfloat16 where the CPU has AVX512-BF16: the group's products on vdpbf16ps, which adds the two products
+// of a pair of bfloat16 (each exact in float32) to a float32 lane. Scores pair q's and k's bfloat16 along
+// hd (the queries are bfloat16 values, widened: narrowing them back is exact); the weighted sums pair two
+// keys' probabilities, rounded to bfloat16 as the tiled kernel's pair path rounds them (the row sums l
+// are the unrounded ones), with the two keys' value rows interleaved in registers. Per key and row that
+// is half the instructions of widening each bfloat16 to float32, and no queries re-read from L1.
+
+// Head sizes with a pair kernel: D = hd / 32 vectors of 32 bfloat16 per row.
+inline bool pair_head_dim(int64_t hd) { return hd % 32 == 0 && hd >= 32 && hd <= 128; }
+
+// s[r * lds + j] = q_r . k_j for r < R, j < n, qb: the R query rows in bfloat16 (R x 32 D): blocks of
+// 16 / R keys whose R x 16 / R lane sums sum_lanes adds at once (as dot_group), row by row past the last
+// whole block (from q, the float32 rows).
+template <int R, int D>
+CA_BF16_TARGET void dot_group_pairs(const c10::BFloat16* qb, const float* q, const c10::BFloat16* k, int64_t ld,
+                                    int64_t n, float* s, int64_t lds) {
+  constexpr int W = 16;
+  constexpr int kBlock = W / R;
+  constexpr int64_t hd = 32 * D;
+  __m512bh qv[R][D];  // registers where R x D <= 8 (with the 16 sums), else re-read from L1
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+    for (int d = 0; d < D; ++d) {
+      qv[r][d] = (__m512bh)_mm512_loadu_si512(qb + r * hd + 32 * d);
+    }
+  }
+  int64_t j = 0;
+  for (; j + kBlock <= n; j += kBlock) {
+    __m512 acc[W];
+#pragma GCC unroll 16
+    for (int c = 0; c < kBlock; ++c) {
+      const c10::BFloat16* row = k + (j + c) * ld;
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        acc[r * kBlock + c] = _mm512_setzero_ps();
+      }
+#pragma GCC unroll 16
+      for (int d = 0; d < D; ++d) {
+        const __m512bh kd = (__m512bh)_mm512_loadu_si512(row + 32 * d);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          acc[r * kBlock + c] = _mm512_dpbf16_ps(acc[r * kBlock + c], qv[r][d], kd);
+        }
+      }
+    }
+    alignas(64) float t[W];
+    _mm512_store_ps(t, sum_lanes(acc));
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(s + r * lds + j, t + r * kBlock, kBlock * sizeof(float));
+    }
+  }
+  for (; j < n; ++j) {
+    for (int r = 0; r < R; ++r) {
+      dot_rows<1>(q + r * hd, k + j * ld, ld, hd, s + r * lds + j);
+    }
+  }
+}
+
+// o[r * hd + 32 u + w] += sum_{j < n} p[r * ldp + j] * v[j * ld + 32 u + w] for r < R, u < U, w < 32: p
+// (bfloat16) has a 0 at n when n is odd. Keys in pairs: lane i of unpacklo_epi16(v_j, v_j+1) holds the pair
+// (v_j, v_j+1) at w = 8 (i / 4) + i % 4 (unpackhi: + 4), so each row's sums sit in that order in lo and hi
+// and are put back in w order once, at the end.
+template <int R, int U>
+CA_BF16_TARGET void weighted_pairs_block(const c10::BFloat16* p, int64_t ldp, const c10::BFloat16* v, int64_t ld,
+                                         int64_t n, float* o, int64_t hd) {
+  __m512 lo[R][U], hi[R][U];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+    for (int u = 0; u < U; ++u) {
+      lo[r][u] = hi[r][u] = _mm512_setzero_ps();
+    }
+  }
+  for (int64_t j = 0; j < n; j += 2) {
+    __m512bh vlo[U], vhi[U];
+#pragma GCC unroll 16
+    for (int u = 0; u < U; ++u) {
+      const __m512i a = _mm512_loadu_si512(v + j * ld + 32 * u);
+      const __m512i b = j + 1 < n ? _mm512_loadu_si512(v + (j + 1) * ld + 32 * u) : _mm512_setzero_si512();
+      vlo[u] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      vhi[u] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pj = (__m512bh)broadcast_pair(p + r * ldp + j);
+#pragma GCC unroll 16
+      for (int u = 0; u < U; ++u) {
+        lo[r][u] = _mm512_dpbf16_ps(lo[r][u], pj, vlo[u]);
+        hi[r][u] = _mm512_dpbf16_ps(hi[r][u], pj, vhi[u]);
+      }
+    }
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+    for (int u = 0; u < U; ++u) {
+      float* dst = o + r * hd + 32 * u;
+      _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), _mm512_permutex2var_ps(lo[r][u], first, hi[r][u])));
+      _mm512_storeu_ps(dst + 16,
+                       _mm512_add_ps(_mm512_loadu_ps(dst + 16), _mm512_permutex2var_ps(lo[r][u], second, hi[r][u])));
+    }
+  }
+}
+
+// The R rows' weighted sums over keys [0, n) from their probabilities in s (float32, rows lds apart),
+// rounded to bfloat16 in place: row r's pairs start where its float32 values did (each vector is read
+// before the narrower store that overlaps it; the float32 values past n, which the rows' further keys
+// read, stay). Then 64 values of hd at a time (32 for the last of an odd D) over runs of 64 keys, so
+// that the later blocks re-read the values from L1.
+template <int R>
+CA_BF16_TARGET void weighted_group_pairs(float* s, int64_t lds, const c10::BFloat16* v, int64_t ld, int64_t n,
+                                         int64_t hd, float* o) {
+  for (int r = 0; r < R; ++r) {
+    float* row = s + r * lds;
+    auto* pairs = reinterpret_cast<c10::BFloat16*>(row);
+    for (int64_t j = 0; j < n; j += 16) {
+      const int64_t count = std::min<int64_t>(16, n - j);
+      PairRounding::store(Vec<float>(_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1), row + j)),
+                          pairs + j, count);
+    }
+    if (n % 2 == 1) {
+      pairs[n] = c10::BFloat16(0.f);
+    }
+  }
+  const auto* p = reinterpret_cast<const c10::BFloat16*>(s);
+  constexpr int64_t kKeys = 64;
+  for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
+    const int64_t keys = std::min(kKeys, n - j0);
+    int64_t d0 = 0;
+    for (; d0 + 64 <= hd; d0 += 64) {
+      weighted_pairs_block<R, 2>(p + j0, 2 * lds, v + j0 * ld + d0, ld, keys, o + d0, hd);
+    }
+    if (d0 < hd) {
+      weighted_pairs_block<R, 1>(p + j0, 2 * lds, v + j0 * ld + d0, ld, keys, o + d0, hd);
+    }
+  }
+}
+
+template <int R, int D>
+CA_BF16_TARGET void dot_group_pairs_from(const float* q, const c10::BFloat16* k, int64_t ld, int64_t n, float* s,
+                                         int64_t lds) {
+  alignas(64) c10::BFloat16 qb[R * 32 * D];
+  for (int64_t i = 0; i < R * 32 * D; i += 16) {
+    PairRounding::store(Vec<float>::loadu(q + i), qb + i);
+  }
+  dot_group_pairs<R, D>(qb, q, k, ld, n, s, lds);
+}
+
+// dot_group on pairs for hd = 32 D (pair_head_dim).
+template <int R>
+void dot_group_pairs_any(const float* q, int64_t hd, const c10::BFloat16* k, int64_t ld, int64_t n, float* s,
+                         int64_t lds) {
+  switch (hd / 32) {
+    case 1: return dot_group_pairs_from<R, 1>(q, k, ld, n, s, lds);
+    case 2: return dot_group_pairs_from<R, 2>(q, k, ld, n, s, lds);
+    case 3: return dot_group_pairs_from<R, 3>(q, k, ld, n, s, lds);
+    default: return dot_group_pairs_from<R, 4>(q, k, ld, n, s, lds);
+  }
+}
+#endif
+
+// Whether the group kernels take scalar_t's pairs (bfloat16 on AVX512-BF16, pair_head_dim).
+template <typename scalar_t>
+bool uses_pairs([[maybe_unused]] int64_t hd) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    return pair_head_dim(hd) && has_avx512_bf16();
+  }
+#endif
+  return false;
+}
+
 // R rows, row r sees keys j <= first_row + r + causal_offset of the chunk's n: scores of the keys the
 // last row sees, each row's softmax update over its own, the weighted sum over the keys every row sees
 // for all R at once, and each row's few further keys on its own (a later key never enters an earlier
@@ -376,7 +553,20 @@ void decode_group(const float* q, int64_t first_row, const scalar_t* k, const sc
   if (all == 0) {
     return;
   }
+  const bool pairs = uses_pairs<scalar_t>(hd);
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (pairs) {
+      dot_group_pairs_any<R>(q, hd, k, ld, all, s, all);
+    } else {
+      dot_group<R>(q, hd, k, ld, all, s, all);
+    }
+  } else {
+    dot_group<R>(q, hd, k, ld, all, s, all);
+  }
+#else
   dot_group<R>(q, hd, k, ld, all, s, all);
+#endif
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     float* sr = s + r * all;
@@ -396,7 +586,20 @@ void decode_group(const float* q, int64_t first_row, const scalar_t* k, const sc
       o[r * hd + d] *= alpha;
     }
   }
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (pairs) {
+      weighted_group_pairs<R>(s, all, v, ld, common, hd, o);
+    } else {
+      weighted_group<R>(s, all, v, ld, common, hd, o);
+    }
+  } else {
+    weighted_group<R>(s, all, v, ld, common, hd, o);
+  }
+#else
+  (void)pairs;
   weighted_group<R>(s, all, v, ld, common, hd, o);
+#endif
   for (int r = 1; r < R; ++r) {
     if (visible(r) > common) {
       weighted_rows(s + r * all + common, v + common * ld, ld, visible(r) - common, hd, 1.f, o + r * hd);
@@ -424,6 +627,9 @@ void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_
     static_assert(kDecodeGroupRows == 4);
     group(std::integral_constant<int, 4>{});
     group(std::integral_constant<int, 2>{});
+    if (uses_pairs<scalar_t>(hd)) {
+      group(std::integral_constant<int, 1>{});
+    }
   }
 #endif
   for (; i < rows; ++i) {
