@@ -301,3 +301,18 @@ def test_mixed_dtypes_are_named() -> None:
     q = torch.randn(1, 2, 3, 8)
     with pytest.raises(TypeError, match="q, k, v must share one floating-point dtype"):
         torch.ops.causal_attention.attention_heads_forward(q, q.double(), q, None)
+
+
+def test_nothing_to_differentiate_runs_the_op_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under no_grad (generate's decode steps) the call is the op alone, bit for bit, without the autograd
+    Function's per-call bookkeeping; with a tensor that requires grad it goes through the Function."""
+    q, k, v = _operands(2, 4, 2, 1, 40, 16, torch.float32, layout="bthd")
+    expected = torch.ops.causal_attention.attention_heads_forward(q.detach(), k.detach(), v.detach(), None)[0]
+    calls = []
+    apply = _ops._HeadsFunction.apply
+    monkeypatch.setattr(_ops._HeadsFunction, "apply", lambda *args: calls.append(1) or apply(*args))
+    with torch.no_grad():
+        assert torch.equal(_ops.attention_heads(q, k, v), expected) and calls == []
+    assert torch.equal(_ops.attention_heads(q.detach(), k.detach(), v.detach()), expected) and calls == []
+    out = _ops.attention_heads(q, k, v)
+    assert torch.equal(out.detach(), expected) and out.grad_fn is not None and calls == [1]
