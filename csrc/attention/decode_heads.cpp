@@ -5,7 +5,8 @@
 //
 // q (B, H, Tq, hd) ends k, v (B, Hkv, Tk, hd) (query i at key position Tk - Tq + i). The key mask's holes
 // (left padding, unfilled slots) split the keys into runs of real ones, each streamed on its own; the
-// softmax state carries across runs. A window (one query only) starts the keys at Tk - window.
+// softmax state carries across runs. A window W starts query i's keys at its position - W + 1: the keys
+// older than the last query's window (fewer than Tq) go row by row, the rest to the whole group.
 //
 // Work items are (batch, unit, split), a unit being a key/value head (one query) or a query head (a few):
 // a small batch splits each context into parts of whole chunks, from the shapes alone, and merges their
@@ -37,7 +38,7 @@ class HeadsDecodePass {
   using acc_t = at::opmath_type<scalar_t>;
 
   HeadsDecodePass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
-                  double scale, int64_t first_key, const at::Tensor& out, const at::Tensor& lse,
+                  double scale, std::optional<int64_t> window, const at::Tensor& out, const at::Tensor& lse,
                   const at::Tensor& sinks)
       : B_(q.size(0)),
         H_(q.size(1)),
@@ -57,9 +58,11 @@ class HeadsDecodePass {
         vs_{v.stride(0), v.stride(1), ks_.t},
         mask_(mask.has_value() ? mask->const_data_ptr<bool>() : nullptr),
         scale_(static_cast<acc_t>(scale)),
-        first_key_(first_key),
+        window_(window.value_or(Tk_)),
+        first_key_(row_first_key(0)),
+        group_key_(stacked_ ? first_key_ : row_first_key(Tq_ - 1)),
         n_split_(std::clamp<int64_t>(ceil_div(kDecodeItems, B_ * units_), 1,
-                                     std::max<int64_t>(1, ceil_div(Tk_ - first_key, kDecodeChunk)))),
+                                     std::max<int64_t>(1, ceil_div(Tk_ - first_key_, kDecodeChunk)))),
         states_(B_ * units_ * n_split_ * rows_ * (hd_ + 2)),
         out_(out.data_ptr<scalar_t>()),
         lse_(lse.data_ptr<acc_t>()),
@@ -89,6 +92,9 @@ class HeadsDecodePass {
 
   int64_t per_call() const { return std::max(kDecodeChunk, kDecodeStreamBytes / (2 * hd_ * int64_t(sizeof(scalar_t)))); }
   acc_t* state(int64_t item) { return states_.data() + item * rows_ * (hd_ + 2); }  // o (rows x hd), m, l
+
+  // The first key that query i sees (by the window; 0 without one).
+  int64_t row_first_key(int64_t i) const { return std::max<int64_t>(0, Tk_ - Tq_ + i - window_ + 1); }
 
   // Query row r of unit u of sequence b: a query head of the group (stacked), or query r of head u.
   const scalar_t* query_row(int64_t b, int64_t u, int64_t r) const {
@@ -126,7 +132,17 @@ class HeadsDecodePass {
       while (run_end < ke && (real == nullptr || real[run_end])) {
         ++run_end;
       }
-      for (int64_t k0 = j; k0 < run_end; k0 += per_call()) {
+      // Keys older than the last query's window: each query row from its own window's first key.
+      const int64_t older_end = std::min(run_end, group_key_);
+      for (int64_t r = 0; r < rows_ && j < older_end; ++r) {
+        const int64_t k0 = std::max(j, row_first_key(r));
+        if (k0 < older_end) {
+          tile::tile_ops<scalar_t>().decode_chunk(ws.q.data() + r * hd_, 1, keys + k0 * ks_.t, values + k0 * ks_.t,
+                                                  ks_.t, older_end - k0, hd_, scale_, Tk_ - Tq_ + r - k0, m + r, l + r,
+                                                  o + r * hd_, ws.buf.data());
+        }
+      }
+      for (int64_t k0 = std::max(j, group_key_); k0 < run_end; k0 += per_call()) {
         const int64_t cols = std::min(run_end, k0 + per_call()) - k0;
         // Row r (stacked: every row at the last position) sees keys up to its position.
         const int64_t causal = stacked_ ? tile::kNoCausal : Tk_ - Tq_ - k0;
@@ -160,7 +176,9 @@ class HeadsDecodePass {
   const Strides vs_;
   const bool* mask_;              // (B, Tk) contiguous, or nullptr
   const acc_t scale_;
-  const int64_t first_key_;       // the window's first key (0 without one)
+  const int64_t window_;          // keys a query sees, its own included (Tk without a window)
+  const int64_t first_key_;       // the first query's first key by the window (0 without one)
+  const int64_t group_key_;       // the last query's: from here on every row's window has begun
   const int64_t n_split_;
   std::vector<acc_t> states_;     // per item: o (rows x hd), m (rows), l (rows)
   scalar_t* out_;                 // (B, Tq, H, hd)
@@ -170,28 +188,27 @@ class HeadsDecodePass {
 
 }  // namespace
 
-bool decodes_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::optional<int64_t> window,
-                   std::optional<double> softcap, double dropout_p) {
+bool decodes_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::optional<double> softcap,
+                   double dropout_p) {
   const int64_t Tq = q.size(2);
   return Tq >= 1 && Tq <= kDecodeFewRows && Tq < k.size(2) && !softcap.has_value() && dropout_p == 0 &&
-         (!window.has_value() || Tq == 1) && k.stride(3) == 1 && v.stride(3) == 1 && q.stride(3) == 1 &&
+         k.stride(3) == 1 && v.stride(3) == 1 && q.stride(3) == 1 &&
          (k.size(2) <= 1 || (k.stride(2) == v.stride(2) && k.stride(2) >= k.size(3)));
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_heads_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const std::optional<at::Tensor>& mask, double scale,
                                                     std::optional<int64_t> window, const at::Tensor& sinks) {
-  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), hd = q.size(3), Tk = k.size(2);
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), hd = q.size(3);
   const auto acc_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   auto out = at::empty({B, Tq, H, hd}, q.options());
   auto lse = at::empty({B, H, Tq}, q.options().dtype(acc_dtype));
   if (out.numel() == 0) {
     return {out, lse};
   }
-  const int64_t first_key = window.has_value() ? std::max<int64_t>(0, Tk - *window) : 0;
   const auto contiguous_mask = mask.has_value() ? std::optional<at::Tensor>(mask->contiguous()) : std::nullopt;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "causal_attention_decode_heads", [&] {
-    HeadsDecodePass<scalar_t>(q, k, v, contiguous_mask, scale, first_key, out, lse, sinks).run();
+    HeadsDecodePass<scalar_t>(q, k, v, contiguous_mask, scale, window, out, lse, sinks).run();
   });
   return {out, lse};
 }

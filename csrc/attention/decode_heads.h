@@ -11,9 +11,9 @@
 namespace causal_attention::kernels {
 
 // Whether decode_heads_cpu serves the call: 1..kDecodeFewRows queries ending a longer past, no softcap,
-// no dropout, a window only for one query, and keys and values whose head rows share one dense stride.
-bool decodes_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::optional<int64_t> window,
-                   std::optional<double> softcap, double dropout_p);
+// no dropout, and keys and values whose head rows share one dense stride.
+bool decodes_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::optional<double> softcap,
+                   double dropout_p);
 
 // attention_heads_forward_cpu's (out (B, Tq, H, hd), lse (B, H, Tq)) for such a call (checked by the caller);
 // sinks (H,) in lse's dtype, or undefined.

@@ -835,7 +835,7 @@ std::tuple<at::Tensor, at::Tensor> attention_heads_forward_cpu(
   const at::Tensor sinks = sinks_in.has_value() ? sinks_in->to(acc_dtype).contiguous() : at::Tensor();
   const auto drop = dropout_of(dropout_p, seed);
   const auto rule = score_rule(hd, scale, window, softcap);
-  if (decodes_heads(q_in, k_in, v_in, window, softcap, dropout_p)) {  // a decode step: stream the past once
+  if (decodes_heads(q_in, k_in, v_in, softcap, dropout_p)) {  // a decode step: stream the past once
     return decode_heads_cpu(q_in, k_in, v_in, mask_in, rule.scale, window, sinks);
   }
   const auto q = heads_rows(q_in), k = heads_rows(k_in), v = heads_rows(v_in);

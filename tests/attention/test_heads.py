@@ -316,3 +316,23 @@ def test_nothing_to_differentiate_runs_the_op_alone(monkeypatch: pytest.MonkeyPa
     assert torch.equal(_ops.attention_heads(q.detach(), k.detach(), v.detach()), expected) and calls == []
     out = _ops.attention_heads(q, k, v)
     assert torch.equal(out.detach(), expected) and out.grad_fn is not None and calls == [1]
+
+
+@pytest.mark.parametrize("window", [1, 3, 16, 17, 700, 5000])
+@pytest.mark.parametrize("Tq", [2, 5, 16])
+def test_a_few_queries_with_a_window_stream_as_the_reference(Tq: int, window: int) -> None:
+    """A few queries against a long past with a sliding window take the streaming route: each query's keys
+    start at its own window (the keys older than the last query's window row by row), windows shorter and
+    longer than the queries, a context split across work items (B * H small), holes in the key mask."""
+    B, H, Hkv, Tk, hd = 1, 2, 1, 4000, 32
+    q, k, v = _operands(B, H, Hkv, Tq, Tk, hd, torch.float64, layout="bthd")
+    mask = _key_mask("holes", B, Tk)
+    g = torch.randn(B, Tq, H, hd, dtype=torch.float64)
+    ours = _engine(q, k, v, mask, g, window=window)
+    exact = _exact(q, k, v, mask, g, window=window)
+    for what, a, e in zip(("out", "dq", "dk", "dv"), ours, exact):
+        assert rel_err(a, e) <= 1e-12, what
+    with torch.no_grad():  # float32 and bfloat16 through the same route, against the float64 reference
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+            out = _ops.attention_heads(*(t.to(dtype) for t in (q, k, v)), mask, window=window).double()
+            assert rel_err(out, exact[0]) <= tol, dtype
