@@ -541,6 +541,36 @@ bool uses_pairs([[maybe_unused]] int64_t hd) {
   return false;
 }
 
+// dot_group's scores (rows of lds = n), on pairs where `pairs` (uses_pairs).
+template <int R, typename scalar_t>
+void group_scores([[maybe_unused]] bool pairs, const float* q, int64_t hd, const scalar_t* k, int64_t ld, int64_t n,
+                  float* s) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (pairs) {
+      dot_group_pairs_any<R>(q, hd, k, ld, n, s, n);
+      return;
+    }
+  }
+#endif
+  dot_group<R>(q, hd, k, ld, n, s, n);
+}
+
+// weighted_group's sums over keys [0, n) (the probabilities in rows of s, lds apart), on pairs where `pairs`.
+template <int R, typename scalar_t>
+void group_weighted([[maybe_unused]] bool pairs, float* s, int64_t lds, const scalar_t* v, int64_t ld, int64_t n,
+                    int64_t hd, float* o) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (pairs) {
+      weighted_group_pairs<R>(s, lds, v, ld, n, hd, o);
+      return;
+    }
+  }
+#endif
+  weighted_group<R>(s, lds, v, ld, n, hd, o);
+}
+
 // R rows, row r sees keys j <= first_row + r + causal_offset of the chunk's n: scores of the keys the
 // last row sees, each row's softmax update over its own, the weighted sum over the keys every row sees
 // for all R at once, and each row's few further keys on its own (a later key never enters an earlier
@@ -554,19 +584,7 @@ void decode_group(const float* q, int64_t first_row, const scalar_t* k, const sc
     return;
   }
   const bool pairs = uses_pairs<scalar_t>(hd);
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (pairs) {
-      dot_group_pairs_any<R>(q, hd, k, ld, all, s, all);
-    } else {
-      dot_group<R>(q, hd, k, ld, all, s, all);
-    }
-  } else {
-    dot_group<R>(q, hd, k, ld, all, s, all);
-  }
-#else
-  dot_group<R>(q, hd, k, ld, all, s, all);
-#endif
+  group_scores<R>(pairs, q, hd, k, ld, all, s);
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     float* sr = s + r * all;
@@ -586,20 +604,7 @@ void decode_group(const float* q, int64_t first_row, const scalar_t* k, const sc
       o[r * hd + d] *= alpha;
     }
   }
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (pairs) {
-      weighted_group_pairs<R>(s, all, v, ld, common, hd, o);
-    } else {
-      weighted_group<R>(s, all, v, ld, common, hd, o);
-    }
-  } else {
-    weighted_group<R>(s, all, v, ld, common, hd, o);
-  }
-#else
-  (void)pairs;
-  weighted_group<R>(s, all, v, ld, common, hd, o);
-#endif
+  group_weighted<R>(pairs, s, all, v, ld, common, hd, o);
   for (int r = 1; r < R; ++r) {
     if (visible(r) > common) {
       weighted_rows(s + r * all + common, v + common * ld, ld, visible(r) - common, hd, 1.f, o + r * hd);
