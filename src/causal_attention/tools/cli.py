@@ -163,6 +163,9 @@ def _add_bench_llama_cpp(command: _Command) -> argparse.ArgumentParser:
     bench.add_argument("--dtypes", nargs="+", choices=("f32", "f16", "bf16"), default=["f32", "f16", "bf16"])
     bench.add_argument("--model", choices=("llama", "gpt2"), default="llama",
                        help="the weights: a Llama-shaped 311M (hidden 2048, 32/8 heads, 4 layers) or GPT-2 124M")
+    bench.add_argument("--isa", choices=("native", "avx2"), default="native",
+                       help="both sides on this CPU's widest instructions, or both held to AVX2 (llama.cpp built "
+                            "without AVX-512; the engine, oneDNN and MKL capped at AVX2 by their environment)")
     bench.add_argument("--quick", action="store_true", help="a tiny model (a smoke test)")
     return bench
 
@@ -261,7 +264,7 @@ def _run_bench_llama_cpp(args: argparse.Namespace, parser: argparse.ArgumentPars
     from .bench import llama_cpp
 
     llama_cpp.main(work=args.work, out_dir=args.out, runs=args.runs, threads=torch.get_num_threads(),
-                   quick=args.quick, dtypes=tuple(args.dtypes), model=args.model)
+                   quick=args.quick, dtypes=tuple(args.dtypes), model=args.model, isa=args.isa)
 
 
 def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

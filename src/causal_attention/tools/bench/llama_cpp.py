@@ -15,8 +15,11 @@ llama.cpp by llama-batched-bench (S_PP and S_TG: tokens over the prefill's and t
 ours by the program's --bench on the transformers directory as it is (the prefill up to the first
 chosen token, then the steps). Each side: the best of `runs`, run alternately. x = ours / llama.cpp
 tokens/s (above 1: ours is faster). The engine's and llama.cpp's instruction sets are printed.
+--isa avx2 holds both sides to AVX2 on a CPU with more (llama.cpp built with GGML_NATIVE=OFF, whose
+defaults are AVX2 + FMA + F16C without AVX-512; ours under ATEN_CPU_CAPABILITY=avx2,
+ONEDNN_MAX_CPU_ISA=AVX2 and MKL_ENABLE_INSTRUCTIONS=AVX2), as an AVX2-only CPU would run them.
 
-    python -m causal_attention bench-llama-cpp --work /tmp/llama_cpp_bench --out bench_out [--model gpt2]
+    python -m causal_attention bench-llama-cpp --work /tmp/llama_cpp_bench --out bench_out [--model gpt2] [--isa avx2]
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ GPT2_FULL = dict(n_embd=768, n_head=12, n_layer=12, vocab_size=50257, n_position
 GPT2_QUICK = dict(n_embd=64, n_head=4, n_layer=2, vocab_size=1000, n_positions=256, prefill=64, decode=16)
 MODELS = {"llama": (FULL, QUICK), "gpt2": (GPT2_FULL, GPT2_QUICK)}
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# The environment that holds the engine, oneDNN and MKL to AVX2 (--isa avx2), and llama.cpp's build options.
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+LLAMA_CPP_ISA = {"native": ("build", ["-DGGML_NATIVE=ON"]), "avx2": ("build-avx2", ["-DGGML_NATIVE=OFF"])}
 _RUN_ONLY = ("prefill", "decode")  # shape entries that are not the model's configuration
 
 
@@ -71,10 +77,12 @@ def _run(cmd: list, say: Callable[[str], None], **kwargs) -> subprocess.Complete
     return result
 
 
-def build_llama_cpp(work: Path, say: Callable[[str], None]) -> Path:
-    """llama-batched-bench from the llama-cpp-python sdist (downloaded once into work): its bin/ folder."""
+def build_llama_cpp(work: Path, say: Callable[[str], None], isa: str = "native") -> Path:
+    """llama-batched-bench from the llama-cpp-python sdist (downloaded once into work), built for isa (a build
+    folder each): its bin/ folder."""
     source = work / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
-    binary = source / "build" / "bin" / "llama-batched-bench"
+    folder, options = LLAMA_CPP_ISA[isa]
+    binary = source / folder / "bin" / "llama-batched-bench"
     if binary.is_file():
         return binary.parent
     archive = work / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
@@ -86,11 +94,11 @@ def build_llama_cpp(work: Path, say: Callable[[str], None]) -> Path:
             tar.extractall(work, filter="data")
     ninja = shutil.which("ninja", path=str(Path(sys.executable).parent)) or shutil.which("ninja")
     generator = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
-    _run(["cmake", "-S", source, "-B", source / "build", *generator, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+    _run(["cmake", "-S", source, "-B", source / folder, *generator, "-DCMAKE_BUILD_TYPE=Release", *options,
           "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
           "-DLLAMA_BUILD_SERVER=OFF"], say)
-    say("building llama.cpp (minutes on 2 cores)")
-    _run(["cmake", "--build", source / "build", "--target", "llama-batched-bench", "-j", str(os.cpu_count() or 2)], say)
+    say(f"building llama.cpp for {isa} (minutes on 2 cores)")
+    _run(["cmake", "--build", source / folder, "--target", "llama-batched-bench", "-j", str(os.cpu_count() or 2)], say)
     return binary.parent
 
 
@@ -193,8 +201,10 @@ def llama_cpp_rates(bin_dir: Path, gguf: Path, shape: dict, batch: int, threads:
 _RATE = re.compile(r"bench: prefill (\d+) tokens: ([0-9.]+) tokens/s; decode (\d+) tokens: ([0-9.]+) tokens/s")
 
 
-def our_rates(hf_dir: Path, shape: dict, batch: int, threads: int, say: Callable[[str], None]) -> tuple[float, float]:
-    """(prefill, decode) tokens/s of causal-attention-generate --bench on the transformers directory."""
+def our_rates(hf_dir: Path, shape: dict, batch: int, threads: int, say: Callable[[str], None],
+              env: dict[str, str] | None = None) -> tuple[float, float]:
+    """(prefill, decode) tokens/s of causal-attention-generate --bench on the transformers directory, with env
+    added to the environment."""
     program = Path(sys.executable).parent / "causal-attention-generate"
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, shape["vocab_size"], (shape["prefill"],), generator=gen).tolist() for _ in range(batch)]
@@ -202,17 +212,27 @@ def our_rates(hf_dir: Path, shape: dict, batch: int, threads: int, say: Callable
     # --bench-runs 2: the first generation of a process pays the weights' first touch (page faults), as
     # llama-batched-bench's warm-up does before it times.
     out = _run([program, "--model", hf_dir, "--max-new-tokens", str(shape["decode"] + 1), "--bench", "--bench-runs",
-                "2", "--threads", str(threads), *tokens], say)
+                "2", "--threads", str(threads), *tokens], say, env={**os.environ, **(env or {})})
     found = _RATE.search(out.stdout)
     if found is None:
         raise RuntimeError(f"causal-attention-generate printed no rates:\n{out.stdout[-2000:]}")
     return float(found.group(2)), float(found.group(4))
 
 
+def engine_isa(env: dict[str, str]) -> str:
+    """The engine's instruction set in a process with env added to the environment."""
+    code = "import causal_attention, torch; print(torch.ops.causal_attention.cpu_capability())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
+    return out.stdout.strip() or f"unknown ({out.stderr.strip()[-200:]})"
+
+
 def main(*, work: Path, out_dir: Path, runs: int, threads: int, quick: bool = False,
-         dtypes: tuple[str, ...] = tuple(DTYPES), model: str = "llama") -> list[Row]:
+         dtypes: tuple[str, ...] = tuple(DTYPES), model: str = "llama", isa: str = "native") -> list[Row]:
     if model not in MODELS:
         raise ValueError(f"bench-llama-cpp: model must be one of {sorted(MODELS)}, got {model!r}")
+    if isa not in LLAMA_CPP_ISA:
+        raise ValueError(f"bench-llama-cpp: isa must be one of {sorted(LLAMA_CPP_ISA)}, got {isa!r}")
+    env = AVX2_ENV if isa == "avx2" else {}
     console = Console(stderr=True)
     say = console.print
     shape = MODELS[model][1 if quick else 0]
@@ -223,11 +243,14 @@ def main(*, work: Path, out_dir: Path, runs: int, threads: int, quick: bool = Fa
             __import__(module)
         except ImportError:
             _run([sys.executable, "-m", "pip", "install", "-q", {"yaml": "pyyaml"}.get(module, module)], say)
-    bin_dir = build_llama_cpp(work, say)
+    bin_dir = build_llama_cpp(work, say, isa)
     source = bin_dir.parent.parent
     system = subprocess.run([bin_dir / "llama-batched-bench", "--version"], capture_output=True, text=True)
-    say(f"llama.cpp {LLAMA_CPP_PYTHON} (llama-cpp-python sdist): {(system.stdout + system.stderr).strip()[:200]}")
-    say(f"engine ISA: {torch.ops.causal_attention.cpu_capability()}; {threads} threads")
+    say(f"llama.cpp {LLAMA_CPP_PYTHON} (llama-cpp-python sdist, {LLAMA_CPP_ISA[isa][1][0]}): "
+        f"{(system.stdout + system.stderr).strip()[:200]}")
+    ours_isa = engine_isa(env)
+    say(f"engine ISA: {ours_isa}{' (' + ' '.join(f'{k}={v}' for k, v in env.items()) + ')' if env else ''}; "
+        f"{threads} threads")
     rows: list[Row] = []
     for name in dtypes:
         stem = f"{'' if model == 'llama' else model + '_'}model_{'quick_' if quick else ''}{name}"
@@ -237,24 +260,25 @@ def main(*, work: Path, out_dir: Path, runs: int, threads: int, quick: bool = Fa
             best = {"ours": [0.0, 0.0], "llama_cpp": [0.0, 0.0]}
             for _ in range(runs):  # alternately, best of runs
                 for side, measure in (("llama_cpp", lambda: llama_cpp_rates(bin_dir, gguf, shape, batch, threads, say)),
-                                      ("ours", lambda: our_rates(hf_dir, shape, batch, threads, say))):
+                                      ("ours", lambda: our_rates(hf_dir, shape, batch, threads, say, env))):
                     rates = measure()
                     best[side] = [max(a, b) for a, b in zip(best[side], rates)]
             for i, phase in enumerate(("prefill", "decode")):
                 rows.append(Row(name, batch, phase, best["ours"][i], best["llama_cpp"][i]))
                 r = rows[-1]
                 say(f"{name} B={batch} {phase}: ours {r.ours:.1f} tokens/s, llama.cpp {r.llama_cpp:.1f} ({r.ratio:.2f}x)")
-    _report(rows, model, shape, threads, out_dir)
+    _report(rows, model, shape, threads, out_dir, ours_isa, isa)
     return rows
 
 
-def _report(rows: list[Row], model: str, shape: dict, threads: int, out_dir: Path) -> None:
+def _report(rows: list[Row], model: str, shape: dict, threads: int, out_dir: Path, isa: str,
+            held: str = "native") -> None:
     from rich.table import Table
 
-    isa = torch.ops.causal_attention.cpu_capability()
     name = {"llama": "Llama-shaped model", "gpt2": "GPT-2"}[model]
-    suffix = "" if model == "llama" else "_" + model
-    table = Table(title=f"causal-attention-generate vs llama.cpp, {name}, {threads} threads, engine ISA {isa}, "
+    suffix = ("" if model == "llama" else "_" + model) + ("" if held == "native" else "_" + held)
+    both = "" if held == "native" else f" (both held to {held.upper()})"
+    table = Table(title=f"causal-attention-generate vs llama.cpp, {name}, {threads} threads, engine ISA {isa}{both}, "
                         f"prefill {shape['prefill']} + decode {shape['decode']}")
     for column in ("dtype", "batch", "phase", "ours tokens/s", "llama.cpp tokens/s", "x"):
         table.add_column(column, justify="right")
@@ -262,7 +286,8 @@ def _report(rows: list[Row], model: str, shape: dict, threads: int, out_dir: Pat
         table.add_row(r.dtype, str(r.batch), r.phase, f"{r.ours:.1f}", f"{r.llama_cpp:.1f}", f"{r.ratio:.2f}")
     Console().print(table)
     (out_dir / f"bench_llama_cpp{suffix}.json").write_text(json.dumps(
-        {"isa": isa, "threads": threads, "model": model, "shape": shape, "llama_cpp_python": LLAMA_CPP_PYTHON,
+        {"isa": isa, "held": held, "threads": threads, "model": model, "shape": shape,
+         "llama_cpp_python": LLAMA_CPP_PYTHON,
          "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}, indent=2))
     import matplotlib
 
@@ -277,7 +302,7 @@ def _report(rows: list[Row], model: str, shape: dict, threads: int, out_dir: Pat
     ax.set_xticks(list(xs), labels, fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("tokens/s")
-    ax.set_title(f"{name}, {threads} threads, ISA {isa}")
+    ax.set_title(f"{name}, {threads} threads, ISA {isa}{both}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out_dir / f"bench_llama_cpp{suffix}.png", dpi=120)
