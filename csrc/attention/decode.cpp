@@ -5,10 +5,12 @@
 // j <= min(start[b] + i, end[b] - 1): the cache plus the new tokens up to itself (causal alignment
 // to the bottom right), and never a position at or past end[b] (padding, or stale entries).
 //
-// Work items are (batch, head, split): when the batch is small the context of each sequence is
-// split into parts (flash-decoding) and the partial softmax states are merged at the end. The number
-// of parts depends on the shapes only, never on the thread count, so results are bitwise the same
-// for any number of threads, and so is the scratch memory.
+// Up to kDecodeFewRows new queries stream the cache row by row. Work items are (batch, head, split):
+// when the batch is small the context of each sequence is split into parts (flash-decoding) and the
+// partial softmax states are merged at the end. The number of parts depends on the shapes only, never
+// on the thread count, so results are bitwise the same for any number of threads, and so is the
+// scratch memory. More new queries (a prompt, a chunk of one) take the tiled forward of
+// attention_heads_forward_cpu over the cache's keys.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/MemoryOverlap.h>
@@ -18,11 +20,11 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
 #include "causal_attention/attention.h"
-#include "blas.h"
 #include "config.h"
 #include "decode_merge.h"
 #include "linear/few_rows.h"
@@ -137,24 +139,15 @@ void kv_cache_write_cpu(const at::Tensor& qkv_in, const at::Tensor& k_cache, con
 
 namespace {
 
-// One thread's scratch, reused by every work item of its chunk: for the tiles of many new queries,
-// or for the row-wise streaming of a few (whose ~90 KB of the tiles' scratch, zeroed with the caches
-// cold, had cost each thread of a decode step's pass).
+// One thread's scratch, reused by every work item of its chunk.
 template <typename scalar_t>
 struct DecodeWorkspace {
   using acc_t = at::opmath_type<scalar_t>;
-  DecodeWorkspace(int64_t hd, bool tiles)
-      : s(tiles ? kDecodeRows * kDecodeChunk : 0),
-        p_in(tiles && kReduced<scalar_t> ? kDecodeRows * kDecodeChunk : 0),
-        pv(tiles ? kDecodeRows * hd : hd),  // (hd: merge_rows' scratch)
-        q(tiles ? 0 : kDecodeFewRows * hd),
-        alpha(tiles ? kDecodeRows : 0),
-        buf(tile::kDecodeGroupRows * stream_keys(hd, sizeof(scalar_t))) {}
-  std::vector<acc_t> s;         // scores, then P
-  std::vector<scalar_t> p_in;   // P in the input type (bfloat16 / half)
-  std::vector<acc_t> pv;        // P V of one tile
-  std::vector<acc_t> q;         // the few queries, widened to acc_t
-  std::vector<acc_t> alpha, buf;  // rescale factors, the few rows' scores
+  explicit DecodeWorkspace(int64_t hd)
+      : pv(hd), q(kDecodeFewRows * hd), buf(tile::kDecodeGroupRows * stream_keys(hd, sizeof(scalar_t))) {}
+  std::vector<acc_t> pv;   // merge_rows' output row
+  std::vector<acc_t> q;    // the few queries, widened to acc_t
+  std::vector<acc_t> buf;  // the few rows' scores
 };
 
 template <typename scalar_t>
@@ -162,7 +155,7 @@ class DecodePass {
  public:
   using acc_t = at::opmath_type<scalar_t>;
 
-  // out: (B, t, dim), written by run().
+  // out: (B, t, dim), written by run(); t <= kDecodeFewRows.
   DecodePass(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* start,
              const int64_t* end, int64_t n_heads, int64_t n_kv_heads, scalar_t* out)
       : B_(qkv.size(0)),
@@ -180,16 +173,17 @@ class DecodePass {
         start_(start),
         end_(end),
         scale_(acc_t(1) / std::sqrt(static_cast<acc_t>(hd_))),
-        // A few new queries of a small batch: split each context into parts, from the shapes alone
-        // (so the result and the scratch size never depend on the thread count).
-        n_split_(t_ <= kDecodeFewRows ? std::clamp<int64_t>(ceil_div(kDecodeItems, B_ * H_), 1,
-                                                             std::max<int64_t>(1, ceil_div(max_len_, kDecodeChunk)))
-                                      : 1),
+        // A small batch: split each context into parts, from the shapes alone (so the result and the
+        // scratch size never depend on the thread count).
+        n_split_(std::clamp<int64_t>(ceil_div(kDecodeItems, B_ * H_), 1,
+                                     std::max<int64_t>(1, ceil_div(max_len_, kDecodeChunk)))),
         // Partial softmax states of every split: output (t, hd), max and sum (t).
         state_stride_(round_up(t_ * (hd_ + 2), kLine / static_cast<int64_t>(sizeof(acc_t)))),
         partial_(static_cast<size_t>(B_ * H_ * n_split_ * state_stride_ + kLine / sizeof(acc_t))),
         states_(line_aligned(partial_.data())),
-        out_(out) {}
+        out_(out) {
+    TORCH_INTERNAL_ASSERT(t_ <= kDecodeFewRows, "DecodePass streams up to ", kDecodeFewRows, " new queries; got ", t_);
+  }
   DecodePass(const DecodePass&) = delete;  // states_ points into partial_
   DecodePass& operator=(const DecodePass&) = delete;
 
@@ -198,7 +192,7 @@ class DecodePass {
     // core of a shared machine) takes fewer, where a static split left the other waiting at the end.
     const auto order = costliest_first(items(), [&](int64_t item) { return cost_of(item); });
     run_items(
-        order, [&] { return DecodeWorkspace<scalar_t>(hd_, t_ > kDecodeFewRows); },
+        order, [&] { return DecodeWorkspace<scalar_t>(hd_); },
         [&](int64_t item, DecodeWorkspace<scalar_t>& ws) { split(item, ws); });
     merge();
   }
@@ -228,11 +222,7 @@ class DecodePass {
     const int64_t bg = b * (H_ / group_) + h / group_;      // its key/value head
     const scalar_t* keys = k_cache_ + bg * max_len_ * hd_;   // (max_len, hd)
     const scalar_t* values = v_cache_ + bg * max_len_ * hd_;
-    if (t_ <= kDecodeFewRows) {
-      few_rows(b, q, keys, values, ks, ke, o, m, l, ws);
-    } else {
-      tiles(b, q, keys, values, ks, ke, o, m, l, ws);
-    }
+    few_rows(b, q, keys, values, ks, ke, o, m, l, ws);
     if (n_split_ == 1) {
       merge_rows(bh, ws.pv.data());
     }
@@ -278,32 +268,6 @@ class DecodePass {
     }
   }
 
-  // More queries: tiles of GEMMs as in the flash forward (the online softmax over key chunks).
-  void tiles(int64_t b, const scalar_t* q, const scalar_t* keys, const scalar_t* values, int64_t ks, int64_t ke,
-             acc_t* o, acc_t* m, acc_t* l, DecodeWorkspace<scalar_t>& ws) const {
-    const auto& acc_ops = tile::tile_ops<acc_t>();
-    acc_t* s = ws.s.data();
-    for (int64_t r0 = 0; r0 < t_; r0 += kDecodeRows) {
-      const int64_t rows = std::min(t_, r0 + kDecodeRows) - r0;
-      const int64_t visible_end = std::min(ke, start_[b] + r0 + rows);  // causal: the row block's last query
-      for (int64_t k0 = ks; k0 < visible_end; k0 += kDecodeChunk) {
-        const int64_t cols = std::min(visible_end, k0 + kDecodeChunk) - k0;
-        score_product<scalar_t>({q + r0 * ld_q_, ld_q_, nullptr, 0}, keys + k0 * hd_, hd_, rows, cols, hd_, s, cols);
-        acc_ops.softmax_tile(s, cols, rows, cols, scale_, start_[b] + r0 - k0, nullptr, m + r0, l + r0,
-                             ws.alpha.data(), ws.buf.data());
-        const scalar_t* p = input_operand<scalar_t>(s, ws.p_in.data(), static_cast<acc_t*>(nullptr), cols, rows, cols,
-                                                    Products::kBlas).x;  // entries <= 1
-        blas::gemm(false, false, rows, hd_, cols, acc_t(1), p, cols, values + k0 * hd_, hd_, acc_t(0), ws.pv.data(),
-                   hd_);
-        if (start_[b] + r0 - k0 + 1 < cols) {  // the first row may not see every key of the tile
-          exclude_masked_values<scalar_t>({p, cols, nullptr, 0}, values + k0 * hd_, hd_, rows, cols, hd_,
-                                          start_[b] + r0 - k0, -tile::kNoCausal, nullptr, ws.pv.data());
-        }
-        acc_ops.rescale_add(o + r0 * hd_, hd_, ws.pv.data(), hd_, rows, hd_, ws.alpha.data());
-      }
-    }
-  }
-
   // Item's partial state, in whole cache lines of its own: items that two threads ran side by side
   // wrote into each other's lines (float32, B=8, H=12, one key each, caches warm, 2 threads: the op
   // took 22-44 us, 19-20 us with the lines apart, as one thread took).
@@ -330,6 +294,39 @@ class DecodePass {
   scalar_t* const out_;  // (B, t, dim)
 };
 
+// More than kDecodeFewRows new queries of qkv (B, t, (H + 2 Hkv) * hd) against the cache (B, Hkv, max_len, hd),
+// as DecodePass's contract says: (B, t, dim). The tiled forward puts query i at key Tk - t + i, so each
+// sequence's keys are its cache up to start + t (padded with masked zero keys where that passes max_len),
+// and keys at or past end are masked off. One call where every sequence starts at the same position.
+at::Tensor attend_many(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& start, const at::Tensor& end, int64_t n_heads, int64_t n_kv_heads) {
+  const int64_t B = qkv.size(0), t = qkv.size(1), max_len = k_cache.size(2);
+  const auto q = std::get<0>(split_heads(qkv, n_heads, n_kv_heads));  // (B, H, t, hd)
+  const int64_t* s = start.const_data_ptr<int64_t>();
+  const int64_t* e = end.const_data_ptr<int64_t>();
+  // Sequences b0 .. b0 + n - 1, all starting at s[b0]: (n, t, H, hd).
+  const auto attend = [&](int64_t b0, int64_t n) {
+    const int64_t keys = s[b0] + t;
+    const auto cached = [&](const at::Tensor& cache) {
+      const auto rows = cache.narrow(0, b0, n).narrow(2, 0, std::min(keys, max_len));
+      return keys > max_len ? at::constant_pad_nd(rows, {0, 0, 0, keys - max_len}) : rows;
+    };
+    std::optional<at::Tensor> mask;
+    if (std::any_of(e + b0, e + b0 + n, [&](int64_t end_b) { return end_b < keys; })) {
+      mask = at::arange(keys, end.options()).unsqueeze(0) < end.narrow(0, b0, n).unsqueeze(1);  // (n, keys)
+    }
+    return std::get<0>(attention_heads_forward_cpu(q.narrow(0, b0, n), cached(k_cache), cached(v_cache), mask));
+  };
+  if (std::all_of(s, s + B, [&](int64_t start_b) { return start_b == s[0]; })) {
+    return attend(0, B).view({B, t, -1});
+  }
+  auto out = at::empty({B, t, q.size(1) * q.size(3)}, qkv.options());
+  for (int64_t b = 0; b < B; ++b) {
+    out.narrow(0, b, 1).copy_(attend(b, 1).view({1, t, -1}));
+  }
+  return out;
+}
+
 }  // namespace
 
 at::Tensor decode_attention_cpu(const at::Tensor& qkv_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -345,6 +342,9 @@ at::Tensor decode_attention_cpu(const at::Tensor& qkv_in, const at::Tensor& k_ca
   check_cache_positions(start, end, t, max_len);
   const int64_t* s = start.data_ptr<int64_t>();
   const int64_t* e = end.data_ptr<int64_t>();
+  if (t > kDecodeFewRows && B * dim > 0) {
+    return attend_many(qkv, k_cache, v_cache, start, end, n_heads, n_kv_heads);
+  }
   auto out = at::empty({B, t, dim}, qkv.options());
   if (out.numel() == 0) {
     return out;
@@ -442,10 +442,17 @@ at::Tensor decode_layer_cpu(const at::Tensor& x_in, const at::Tensor& qkv_weight
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x_in.scalar_type(), "decode_layer", [&] {
     // (The pass, whose state it allocates, is made before the cache is written: nothing is written
     // where that fails.)
-    DecodePass<scalar_t> pass(qkv, k_cache, v_cache, s, e, n_heads, n_kv_heads, heads.data_ptr<scalar_t>());
+    std::optional<DecodePass<scalar_t>> pass;
+    if (t <= kDecodeFewRows) {
+      pass.emplace(qkv, k_cache, v_cache, s, e, n_heads, n_kv_heads, heads.data_ptr<scalar_t>());
+    }
     FewRowsProduct<scalar_t>(x_in.reshape({B * t, dim}), qkv_weight, qkv_bias).all(qkv.data_ptr<scalar_t>(), width);
     CacheRows<scalar_t>(qkv, k_cache, v_cache, s, e, n_heads, n_kv_heads).write_all();
-    pass.run();
+    if (pass) {
+      pass->run();
+    } else {
+      heads = attend_many(qkv, k_cache, v_cache, start, at::from_blob(end.data(), {B}, at::kLong), n_heads, n_kv_heads);
+    }
   });
   auto out = few_rows_linear_cpu(heads, proj_weight, proj_bias);
   advance();

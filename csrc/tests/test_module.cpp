@@ -224,6 +224,22 @@ TEST(KVCache, PrefillThenDecodeEqualsFullForward) {
   EXPECT_EQ(cache.lengths.sum().item<int64_t>(), 0);
 }
 
+TEST(KVCache, ALongPromptIntoTheCacheIsTheUncachedForwardBitForBit) {
+  // More than 16 new queries take the tiled forward over the cache: right-padded prompts, GQA, each dtype.
+  torch::manual_seed(22);
+  const int64_t B = 3, T = 113, H = 4, Hkv = 2, hd = 48;
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kHalf, torch::kFloat64}) {
+    CausalSelfAttention attn(causal_attention::CausalSelfAttentionOptions(H * hd, H).n_kv_heads(Hkv));
+    attn->to(dtype);
+    torch::NoGradGuard no_grad;
+    const auto x = torch::randn({B, T, H * hd}).to(dtype);
+    const auto mask = torch::arange(T).unsqueeze(0) < torch::tensor({T, int64_t{40}, int64_t{1}}).unsqueeze(1);
+    auto cache = attn->make_cache(B, T + 30);
+    EXPECT_TRUE(torch::equal(attn->forward(x, mask, cache), attn->forward(x, mask))) << dtype;
+    EXPECT_TRUE(torch::equal(cache.lengths, mask.sum(1)));
+  }
+}
+
 TEST(KVCache, LargeCpuBuffersAreZeroedOnWholeHugePages) {
   // As Python's make_cache: of 2 MB or more, the keys and values start at a 2 MB boundary (the
   // memory advised to take huge pages, kernels::cache_zeros); smaller, torch's zeros. Both steps

@@ -195,7 +195,7 @@ def test_decode_kernel_odd_row_strides(layout):
     PyTorch ignores) give what their contiguous copies give."""
     B, H, hd, L = 2, 3, 16, 300
     C = 3 * H * hd
-    if layout == "expanded_time":  # 40 new tokens: the GEMM tiles
+    if layout == "expanded_time":  # 40 new tokens: the tiled forward
         qkv = torch.randn(B, 1, C, dtype=torch.float64).expand(B, 40, C)
     else:
         qkv = torch.randn(B, C, 1, dtype=torch.float64).transpose(1, 2)
@@ -229,6 +229,43 @@ def test_decode_kernel_low_precision(dtype, t_new):
     plain = backends.cached_attention_torch(qkv, KVCache(k.clone(), v.clone(), start.clone()), start, end, H)
     assert ours.dtype == dtype
     assert rel_err(ours, exact) <= 3 * rel_err(plain, exact) + (1e-6 if dtype == torch.float32 else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16],
+                         ids=["f64", "f32", "bf16", "f16"])
+@pytest.mark.parametrize("hd", [8, 48, 64, 80])
+@pytest.mark.parametrize("T, H, Hkv", [(17, 2, 2), (113, 4, 2), (1025, 2, 1)])
+def test_a_prefill_into_the_cache_is_the_uncached_forward_bit_for_bit(dtype, hd, T, H, Hkv):
+    """More than 16 new queries into an empty cache (right-padded prompts, GQA/MQA, a cache longer than
+    the prompts) give the uncached forward's bits at every row, padding rows included."""
+    B, L = 3, T + 40
+    qkv = torch.randn(B, T, (H + 2 * Hkv) * hd).to(dtype)
+    mask = torch.arange(T)[None, :] < torch.tensor([[T], [T // 2], [1]])
+    start, end = torch.zeros(B, dtype=torch.long), mask.sum(1)
+    k, v = torch.zeros(B, Hkv, L, hd, dtype=dtype), torch.zeros(B, Hkv, L, hd, dtype=dtype)
+    ops.kv_cache_write(qkv, k, v, start, end, H, Hkv)
+    cached = ops.decode_attention(qkv, k, v, start, end, H, Hkv)
+    assert torch.equal(cached, ops.attention(qkv, mask, H, n_kv_heads=Hkv))
+
+
+@pytest.mark.parametrize("case", ["ragged_starts", "past_max_len", "gqa_ragged"])
+def test_many_new_queries_against_torch(case):
+    """More than 16 new queries after ragged pasts, rows of padding that would sit past the cache's
+    end, and GQA: the op against the plain-torch cache path in float64."""
+    B, hd, L, t = 3, 16, 90, 33
+    H, Hkv = (4, 2) if case == "gqa_ragged" else (3, 3)
+    start = torch.tensor([0, 20, 57]) if case != "past_max_len" else torch.tensor([70, 70, 70])
+    end = start + torch.tensor([t, 5, 0]) if case != "past_max_len" else torch.tensor([L, 75, 70])
+    qkv = torch.randn(B, t, (H + 2 * Hkv) * hd, dtype=torch.float64)
+    k = torch.randn(B, Hkv, L, hd, dtype=torch.float64)
+    v = torch.randn(B, Hkv, L, hd, dtype=torch.float64)
+    ref_cache = KVCache(k.clone(), v.clone(), start.clone())
+    expected = backends.cached_attention_torch(qkv, ref_cache, start, end, H, Hkv)
+    ops.kv_cache_write(qkv, k, v, start, end, H, Hkv)
+    y = ops.decode_attention(qkv, k, v, start, end, H, Hkv)
+    assert torch.equal(k, ref_cache.k) and torch.equal(v, ref_cache.v)
+    assert rel_err(y, expected) <= 1e-12
+    assert torch.count_nonzero(y[end == 0]) == 0  # no key: 0
 
 
 def test_decode_step_compiles_once():
