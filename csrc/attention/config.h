@@ -16,12 +16,11 @@ inline constexpr int64_t kBwdBlockK = 128;  // backward
 inline constexpr int64_t kDiagonalRows = 64;
 
 // Decode attention.
-inline constexpr int64_t kDecodeChunk = 256;  // keys per tile, and the unit of a context's split
+inline constexpr int64_t kDecodeChunk = 256;  // keys: the unit of a context's split, the least per streamed call
 // Bytes of keys and values per decode_chunk call of a few queries: each call passes over its keys,
 // then over its values, and fewer, longer calls switch between the two streams less often.
 inline constexpr int64_t kDecodeStreamBytes = 512 * 1024;
-inline constexpr int64_t kDecodeRows = 64;     // new queries per tile
-inline constexpr int64_t kDecodeFewRows = 16;  // up to this many new queries: row-wise streaming, no GEMM
+inline constexpr int64_t kDecodeFewRows = 16;  // up to this many new queries: row-wise streaming, not tiles
 inline constexpr int64_t kDecodeItems = 64;    // few new queries: split contexts until B * H * splits reaches this
 
 }  // namespace causal_attention::kernels
