@@ -231,13 +231,9 @@ class _HeadsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, mask, out, lse, seed, sinks = ctx.saved_tensors
-        if sinks is None:
-            dq, dk, dv = _HeadsBackwardFunction.apply(grad_out, q, k, v, mask, out, lse, *ctx.options, seed)
-            d_sinks = None
-        else:
-            dq, dk, dv, d_sinks = _HeadsSinksBackwardFunction.apply(grad_out, q, k, v, mask, out, lse, *ctx.options,
-                                                                    seed, sinks)
-        return dq, dk, dv, None, None, None, None, None, None, d_sinks
+        grads = _HeadsBackwardFunction.apply(grad_out, q, k, v, mask, out, lse, *ctx.options, seed, sinks)
+        d_sinks = grads[3] if sinks is not None else None
+        return *grads[:3], None, None, None, None, None, None, d_sinks
 
 
 def _reference_heads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sinks: Tensor | None, scale: float | None,
@@ -253,48 +249,21 @@ def _reference_heads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sinks
 
 
 class _HeadsBackwardFunction(torch.autograd.Function):
-    """attention_heads_backward's autograd (double backward): the reference's, differentiated again."""
+    """attention_heads_backward's autograd: (dq, dk, dv) from the fused backward (sinks, where given, are in
+    out and lse), then the sinks' gradient from attention_sinks_backward; a double backward differentiates
+    the reference."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor,
         scale: float | None, window: int | None, softcap: float | None, dropout_p: float, seed: Tensor | None,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        return torch.ops.causal_attention.attention_heads_backward(grad_out, q, k, v, mask, out, lse, scale, window,
-                                                                   softcap, dropout_p, seed)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
-        grad_out, q, k, v, mask, _out, _lse, scale, window, softcap, dropout_p, seed = inputs
-        ctx.save_for_backward(grad_out, q, k, v, mask, seed)
-        ctx.options = (scale, window, softcap, dropout_p)
-
-    @staticmethod
-    def backward(ctx: Any, gq: Tensor, gk: Tensor, gv: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        grad_out, q, k, v, mask, seed = ctx.saved_tensors
-
-        def first_grad(go: Tensor, q_: Tensor, k_: Tensor, v_: Tensor) -> tuple[Tensor, ...]:
-            _, vjp = torch.func.vjp(lambda *x: _reference_heads(*x, mask, None, *ctx.options, seed), q_, k_, v_)
-            return vjp(go)
-
-        _, vjp2 = torch.func.vjp(first_grad, grad_out, q, k, v)
-        d_grad_out, dq, dk, dv = vjp2((gq, gk, gv))
-        return d_grad_out, dq, dk, dv, None, None, None, None, None, None, None, None
-
-
-class _HeadsSinksBackwardFunction(torch.autograd.Function):
-    """The backward with sinks: (dq, dk, dv) from the fused backward (the sinks are in out and lse), the
-    sinks' gradient from attention_sinks_backward; a double backward differentiates the reference."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor,
-        scale: float | None, window: int | None, softcap: float | None, dropout_p: float, seed: Tensor | None,
-        sinks: Tensor,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        dq, dk, dv = torch.ops.causal_attention.attention_heads_backward(grad_out, q, k, v, mask, out, lse, scale,
-                                                                         window, softcap, dropout_p, seed)
-        return dq, dk, dv, torch.ops.causal_attention.attention_sinks_backward(grad_out, out, lse, sinks)
+        sinks: Tensor | None,
+    ) -> tuple[Tensor, ...]:
+        grads = torch.ops.causal_attention.attention_heads_backward(grad_out, q, k, v, mask, out, lse, scale, window,
+                                                                    softcap, dropout_p, seed)
+        if sinks is None:
+            return grads
+        return *grads, torch.ops.causal_attention.attention_sinks_backward(grad_out, out, lse, sinks)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
@@ -303,19 +272,20 @@ class _HeadsSinksBackwardFunction(torch.autograd.Function):
         ctx.options = (scale, window, softcap, dropout_p)
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any, gq: Tensor, gk: Tensor, gv: Tensor, gs: Tensor,
-    ) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         grad_out, q, k, v, mask, seed, sinks = ctx.saved_tensors
+        with_sinks = () if sinks is None else (sinks,)
 
-        def first_grad(go: Tensor, q_: Tensor, k_: Tensor, v_: Tensor, s_: Tensor) -> tuple[Tensor, ...]:
-            _, vjp = torch.func.vjp(lambda q1, k1, v1, s1: _reference_heads(q1, k1, v1, mask, s1, *ctx.options, seed),
-                                    q_, k_, v_, s_)
+        def first_grad(go: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:
+            def reference(q_: Tensor, k_: Tensor, v_: Tensor, *sinks_: Tensor) -> Tensor:
+                return _reference_heads(q_, k_, v_, mask, sinks_[0] if sinks_ else None, *ctx.options, seed)
+
+            _, vjp = torch.func.vjp(reference, *inputs)
             return vjp(go)
 
-        _, vjp2 = torch.func.vjp(first_grad, grad_out, q, k, v, sinks)
-        d_grad_out, dq, dk, dv, ds = vjp2((gq, gk, gv, gs))
-        return d_grad_out, dq, dk, dv, None, None, None, None, None, None, None, None, ds
+        _, vjp2 = torch.func.vjp(first_grad, grad_out, q, k, v, *with_sinks)
+        d_grad_out, dq, dk, dv, *d_sinks = vjp2(grads)
+        return d_grad_out, dq, dk, dv, None, None, None, None, None, None, None, None, *(d_sinks or [None])
 
 
 def attention_heads(
