@@ -22,6 +22,7 @@
 //   widened_products() -> str               "oneDNN+sgemm" or "sgemm": what multiplies widened_addmm's blocks
 //   tile_products(dtype) -> str             what runs the attention kernels' tile products of dtype here
 //   unrounded_linear(x, weight, bias) -> y  x @ weight^T + bias summed in float32, not rounded back to half
+//   rotary_qkv(qkv, cos, sin, n_heads, n_kv_heads) -> qkv   q and k rotated (rotate-half) in one pass
 //   mask_to_bool(key_padding_mask) -> mask                              checks an integer mask's values
 //   cache_end(lengths, key_padding_mask, new_tokens, max_len) -> end    checks a cache step
 //   cache_zeros(size, dtype, device=None) -> zeros                     a KV cache buffer, on the CPU on huge pages
@@ -326,6 +327,7 @@ TORCH_LIBRARY(causal_attention, m) {
   m.def("widened_addmm(Tensor a, Tensor b, Tensor? bias) -> Tensor");
   m.def("widened_addmm_sums(Tensor a, Tensor b) -> (Tensor, Tensor)");
   m.def("unrounded_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("rotary_qkv(Tensor qkv, Tensor cos, Tensor sin, int n_heads, int n_kv_heads) -> Tensor");
   m.def("half_arithmetic(ScalarType dtype) -> bool");
   m.def("widened_products() -> str");
   m.def("cache_zeros(int[] size, ScalarType dtype, Device? device=None) -> Tensor");
@@ -346,6 +348,7 @@ TORCH_LIBRARY_IMPL(causal_attention, Autograd, m) {
   m.impl("widened_addmm_sums", torch::autograd::autogradNotImplementedFallback());
   m.impl("unrounded_linear", torch::autograd::autogradNotImplementedFallback());  // inference only
   m.impl("decode_layer", torch::autograd::autogradNotImplementedFallback());     // inference only
+  m.impl("rotary_qkv", torch::autograd::autogradNotImplementedFallback());       // Rotary::apply differentiates
   m.impl("advise_huge_pages", torch::autograd::autogradNotImplementedFallback());  // no tensor out
 }
 
@@ -379,6 +382,7 @@ TORCH_LIBRARY_IMPL(causal_attention, Meta, m) {
   m.impl("widened_addmm", &kernels::widened_addmm_meta);
   m.impl("widened_addmm_sums", &kernels::widened_addmm_sums_meta);
   m.impl("unrounded_linear", &kernels::unrounded_linear_meta);
+  m.impl("rotary_qkv", &kernels::rotary_qkv_meta);
   m.impl("decode_layer", &decode_layer_meta);
   m.impl("advise_huge_pages", [](const at::Tensor&) -> int64_t { return 0; });  // no memory to advise
 }
@@ -395,6 +399,7 @@ TORCH_LIBRARY_IMPL(causal_attention, CPU, m) {
   m.impl("widened_addmm", &kernels::widened_addmm_cpu);
   m.impl("widened_addmm_sums", &kernels::widened_addmm_sums_cpu);
   m.impl("unrounded_linear", &kernels::unrounded_linear_cpu);
+  m.impl("rotary_qkv", &kernels::rotary_qkv_cpu);
   m.impl("decode_layer", &kernels::decode_layer_cpu);
   m.impl("advise_huge_pages", &kernels::advise_huge_pages);
 }

@@ -116,6 +116,12 @@ struct TileOps {
   void (*linear_rows_pairs_acc)(const scalar_t* x, int64_t rows, int64_t in, const scalar_t* w,
                                 const scalar_t* bias, int64_t o0, int64_t o1, acc_t* y, int64_t ld_y);
 
+  // Rotary positions, rotate-half: out[r] = x[r] (rows x width, contiguous) with each of its first `rotated`
+  // values' heads of hd rotated by row r of c and s (rows x hd): x c + rotate_half(x) s, each product rounded
+  // to scalar_t, then the sum (ATen's bits); the rest of the row copied.
+  void (*rotary_rows)(const scalar_t* x, const scalar_t* c, const scalar_t* s, scalar_t* out, int64_t rows,
+                      int64_t width, int64_t rotated, int64_t hd);
+
   // bfloat16 only, where the CPU has AVX512-BF16 (else nullptr): the pair micro-kernel. C (m x n,
   // float32, ldc) = A . B, or C += A . B when accumulate, over k2 pairs of k: pair (i, p) of A is the two
   // bfloat16 A(i, 2p), A(i, 2p + 1) at a + i * rs_a + p * cs_a (adjacent in memory: a row-major A with

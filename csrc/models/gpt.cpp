@@ -404,6 +404,11 @@ Rotary Rotary::at(const at::Tensor& positions, const at::Tensor& inv_freq, at::S
 
 // qkv (B, T, (H + 2 Hkv) * hd) -> the same with q and k rotated: x * cos + rotate_half(x) * sin.
 at::Tensor Rotary::apply(const at::Tensor& qkv, int64_t n_heads, int64_t kv_heads) const {
+  const bool differentiated =
+      at::GradMode::is_enabled() && (qkv.requires_grad() || cos.requires_grad() || sin.requires_grad());
+  if (!differentiated && qkv.device().is_cpu()) {
+    return kernels::rotary_qkv_cpu(qkv, cos, sin, n_heads, kv_heads);  // the same bits in one pass
+  }
   const int64_t hd = cos.size(-1);
   const auto c = cos.unsqueeze(-2), s = sin.unsqueeze(-2);  // (..., 1, hd)
   const auto rotate = [&](const at::Tensor& part, int64_t heads) {

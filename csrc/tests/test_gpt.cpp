@@ -11,6 +11,7 @@
 #include <fstream>
 #include <string>
 
+#include "causal_attention/attention.h"
 #include "causal_attention/gpt.h"
 #include "causal_attention/safetensors.h"
 
@@ -791,6 +792,33 @@ TEST(LoadGPT, SharedCorpus) {
     ASSERT_EQ(params.size(), written.size());
     for (const auto& [key, tensor] : written) EXPECT_TRUE(torch::equal(params[key], tensor)) << key;
   }
+}
+
+TEST(Rotary, WithoutAGradientOnePassGivesTheCompositionsBits) {
+  // Rotary::apply under NoGradGuard (kernels::rotary_qkv_cpu) against itself while a gradient is wanted
+  // (the ATen composition): every dtype, GQA, a head size with a vector tail, values in the hundreds.
+  torch::manual_seed(31);
+  const int64_t H = 4, Hkv = 2, hd = 48, B = 2, T = 37;
+  const auto inv_freq = 1.0 / torch::pow(500000.0, torch::arange(0, hd, 2).to(torch::kFloat) / hd);
+  for (const auto dtype : {torch::kFloat64, torch::kFloat32, torch::kBFloat16, torch::kHalf}) {
+    const auto rot = causal_attention::Rotary::at(torch::randint(0, 100000, {B, T}), inv_freq, dtype);
+    const auto qkv = (torch::randn({B, T, (H + 2 * Hkv) * hd}) * 200).to(dtype);
+    torch::Tensor fused, composed;
+    {
+      torch::NoGradGuard no_grad;
+      fused = rot.apply(qkv, H, Hkv);
+    }
+    const auto x = qkv.clone().requires_grad_();
+    composed = rot.apply(x, H, Hkv);
+    ASSERT_TRUE(composed.requires_grad());
+    EXPECT_TRUE(torch::equal(fused, composed.detach())) << dtype;
+  }
+  const auto bad = [&](const torch::Tensor& qkv, const torch::Tensor& cos, int64_t heads) {
+    return causal_attention::kernels::rotary_qkv_cpu(qkv, cos, cos, heads, 1);
+  };
+  EXPECT_THROW(bad(torch::randn({2, 4 * 7}), torch::randn({2, 7}), 2), c10::ValueError);  // odd head_dim
+  EXPECT_THROW(bad(torch::randn({2, 32}), torch::randn({2, 8}).to(torch::kDouble), 2), c10::TypeError);
+  EXPECT_THROW(bad(torch::randn({2, 32}), torch::randn({3, 8}), 2), c10::ValueError);  // cos (3, 8) vs (2, 8)
 }
 
 }  // namespace

@@ -252,6 +252,15 @@ at::Tensor widened_addmm_meta(const at::Tensor& a, const at::Tensor& b, const st
 std::tuple<at::Tensor, at::Tensor> widened_addmm_sums_cpu(const at::Tensor& a, const at::Tensor& b);
 std::tuple<at::Tensor, at::Tensor> widened_addmm_sums_meta(const at::Tensor& a, const at::Tensor& b);
 
+// Rotary positions, rotate-half layout (Llama's): qkv (..., (H + 2 Hkv) * hd) with cos and sin broadcasting
+// to (..., hd) in qkv's dtype -> a new qkv whose q and k heads are x * cos + rotate_half(x) * sin (each
+// product rounded to the dtype, then the sum, as ATen's composition of them) and whose v is copied. One
+// pass; no autograd (Rotary::apply differentiates the composition).
+at::Tensor rotary_qkv_cpu(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t n_heads,
+                          int64_t n_kv_heads);
+at::Tensor rotary_qkv_meta(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t n_heads,
+                           int64_t n_kv_heads);
+
 // x (..., in) @ weight^T (+ bias) -> (..., out) summed in float32 (float64 for float64) and returned
 // unrounded: float32 for bfloat16/half operands (each product of two exact widenings), x's dtype
 // otherwise. Up to 64 rows (a decode step's) stream the weight (few_rows_linear_cpu's sums, not

@@ -119,6 +119,8 @@ class Rotary:
     def apply(self, qkv: Tensor, n_heads: int, kv_heads: int) -> Tensor:
         """qkv (..., (H + 2 Hkv) * hd) with cos, sin (..., hd) -> the same with q and k rotated
         (rotate-half layout: x * cos + rotate_half(x) * sin, as transformers' apply_rotary_pos_emb)."""
+        if _rotates_in_one_pass(qkv, self.cos, self.sin):
+            return torch.ops.causal_attention.rotary_qkv(qkv, self.cos, self.sin, n_heads, kv_heads)
         hd = self.cos.shape[-1]
         q, k, v = qkv.split((n_heads * hd, kv_heads * hd, kv_heads * hd), dim=-1)
         cos, sin = self.cos.unsqueeze(-2), self.sin.unsqueeze(-2)  # (..., 1, hd)
@@ -129,6 +131,21 @@ class Rotary:
             return ((x * cos) + (half * sin)).flatten(-2)
 
         return torch.cat((rotate(q, n_heads), rotate(k, kv_heads), v), dim=-1)
+
+
+def _rotates_in_one_pass(qkv: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """Whether Rotary.apply takes the engine's rotary_qkv (the composition's bits in one pass): plain CPU
+    tensors of one dtype with nothing to differentiate, in eager mode outside torch.func transforms and
+    CPU autocast. Compiled, exported and traced graphs keep the composition."""
+    tensors = (qkv, cos, sin)
+    return (
+        _ops.core_loaded()
+        and all(type(t) is Tensor and t.device.type == "cpu" and t.dtype == qkv.dtype for t in tensors)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        and not (torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing())
+        and not torch._C._are_functorch_transforms_active()
+        and not torch.is_autocast_enabled("cpu")
+    )
 
 
 def heads_of(qkv: Tensor, n_heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
