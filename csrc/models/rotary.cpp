@@ -61,9 +61,10 @@ at::Tensor rotary_qkv_cpu(const at::Tensor& qkv_in, const at::Tensor& cos, const
   if (rows == 0) {
     return out;
   }
-  // (rows, hd) tables: copies only where cos / sin broadcast over leading dims (a batch sharing positions).
-  const auto c = cos.expand(shape.tables).reshape({rows, shape.hd});
-  const auto s = sin.expand(shape.tables).reshape({rows, shape.hd});
+  // (rows, hd) dense tables: copies only where cos / sin broadcast over leading dims (a batch sharing
+  // positions) or are strided.
+  const auto c = cos.expand(shape.tables).reshape({rows, shape.hd}).contiguous();
+  const auto s = sin.expand(shape.tables).reshape({rows, shape.hd}).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_qkv", [&] {
     const scalar_t* x = qkv.const_data_ptr<scalar_t>();
     const scalar_t* cp = c.const_data_ptr<scalar_t>();

@@ -19,7 +19,8 @@ def _composition(rot: Rotary, qkv: torch.Tensor, H: int, Hkv: int) -> torch.Tens
         return rot.apply(qkv.detach().clone().requires_grad_(), H, Hkv).detach()
 
 
-def _case(dtype: torch.dtype, hd: int, H: int, Hkv: int, lead: tuple[int, ...], scale: float) -> tuple[Rotary, torch.Tensor]:
+def _case(dtype: torch.dtype, hd: int, H: int, Hkv: int, lead: tuple[int, ...],
+          scale: float) -> tuple[Rotary, torch.Tensor]:
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, hd, 2).float() / hd))
     positions = torch.randint(0, 130000, lead)
     qkv = (torch.randn(*lead, (H + 2 * Hkv) * hd, dtype=torch.float64) * scale).to(dtype)
@@ -41,8 +42,8 @@ def test_the_op_is_the_composition_bit_for_bit(dtype, hd, H, Hkv, lead):
 
 
 def test_tables_that_broadcast_and_inputs_of_any_strides():
-    """cos and sin shared by a batch ((T, hd), (1, T, hd)), a qkv that is a strided view: the
-    composition's bits."""
+    """cos and sin shared by a batch ((T, hd), (1, T, hd)) or strided, a qkv that is a strided view:
+    the composition's bits."""
     H, Hkv, hd, B, T = 4, 2, 64, 3, 19
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, hd, 2).float() / hd))
     shared = Rotary.at(torch.arange(T), inv_freq, torch.float32)  # (T, hd)
@@ -51,6 +52,9 @@ def test_tables_that_broadcast_and_inputs_of_any_strides():
     expected = _composition(shared, qkv, H, Hkv)
     assert torch.equal(ops.rotary_qkv(qkv, shared.cos, shared.sin, H, Hkv), expected)
     assert torch.equal(ops.rotary_qkv(qkv, shared.cos[None], shared.sin[None], H, Hkv), expected)
+    strided = Rotary(*(torch.stack((t, t), -1)[..., 0] for t in (shared.cos, shared.sin)))
+    assert strided.cos.stride(-1) == 2
+    assert torch.equal(ops.rotary_qkv(qkv[0], strided.cos, strided.sin, H, Hkv), expected[0])  # no broadcast
 
 
 def test_rotary_apply_takes_the_op_only_without_a_gradient_to_record(monkeypatch):
