@@ -17,7 +17,7 @@
 
 namespace causal_attention::kernels {
 
-// Output features per block of FewRowsProduct::all, the threads' unit (a multiple of linear_rows' 3
+// Output features per block of FewRowsProduct::all, the threads' unit (a multiple of linear_rows' 3 and 6
 // weight rows).
 inline constexpr int64_t kFewRowsBlock = 96;
 

@@ -3,7 +3,7 @@
 // in [o0, o1) against float64 x w^T + b over the same (rounded) operands, elementwise within a bound
 // derived from the data, and nothing written outside [o0, o1). Row counts below, at and across the
 // builds' row blocks (8 on AVX-512, 4 on AVX2, then 4 / 2 / 1), input sizes that are and are not whole
-// vectors (the scalar tail), weight ranges that do and do not fill the 3-row blocks (and, at the
+// vectors (the scalar tail), weight ranges that do and do not fill the 3- and 6-row blocks (and, at the
 // largest input size, run past the first prefetch window); and the bfloat16 pair kernel (linear_rows_pairs) where the CPU has AVX512-BF16.
 // Every output also one at a time: the same bits whichever block computes it.
 #include <gtest/gtest.h>
@@ -46,7 +46,7 @@ void check_case(const tile::TileOps<scalar_t>& ops, torch::ScalarType dtype, int
     ops.linear_rows(x_acc.const_data_ptr<acc_t>(), rows, in, w.const_data_ptr<scalar_t>(), bias, o0, o1,
                     y.data_ptr<scalar_t>(), ld_y);
   }
-  // Each output is the same sum whichever block computes it (the 3-row blocks, a lone row, where a
+  // Each output is the same sum whichever block computes it (the 3- or 6-row blocks, a lone row, where a
   // range starts: FewRowsProduct takes any range, and the threads' split moves where ranges start):
   // one output at a time, the same bits.
   auto y_one = torch::zeros_like(y);
