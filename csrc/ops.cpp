@@ -20,6 +20,7 @@
 //   widened_addmm_sums(a, b) -> (c, sums)   a @ b as above and b.sum(0) in float32 (a weight's and a bias's grads)
 //   half_arithmetic(dtype) -> bool          whether project leaves dtype to ATen here
 //   widened_products() -> str               "oneDNN+sgemm" or "sgemm": what multiplies widened_addmm's blocks
+//   float32_products() -> str               "oneDNN" or "ATen": what multiplies project's float32 inference
 //   tile_products(dtype) -> str             what runs the attention kernels' tile products of dtype here
 //   unrounded_linear(x, weight, bias) -> y  x @ weight^T + bias summed in float32, not rounded back to half
 //   rotary_qkv(qkv, cos, sin, n_heads, n_kv_heads) -> qkv   q and k rotated (rotate-half) in one pass
@@ -330,6 +331,7 @@ TORCH_LIBRARY(causal_attention, m) {
   m.def("rotary_qkv(Tensor qkv, Tensor cos, Tensor sin, int n_heads, int n_kv_heads) -> Tensor");
   m.def("half_arithmetic(ScalarType dtype) -> bool");
   m.def("widened_products() -> str");
+  m.def("float32_products() -> str");
   m.def("cache_zeros(int[] size, ScalarType dtype, Device? device=None) -> Tensor");
   m.def("advise_huge_pages(Tensor tensor) -> int");
 }
@@ -409,6 +411,7 @@ TORCH_LIBRARY_IMPL(causal_attention, CatchAll, m) {
   m.impl("tile_products", &kernels::tile_products);
   m.impl("half_arithmetic", &kernels::half_arithmetic);
   m.impl("widened_products", [] { return std::string(kernels::widened_products()); });
+  m.impl("float32_products", [] { return std::string(kernels::float32_products()); });
 }
 
 const char* kernels::cpu_capability() { return tile::tile_ops_capability(); }

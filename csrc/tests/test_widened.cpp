@@ -1,7 +1,8 @@
 // The projections of half-precision models on CPUs without half arithmetic (csrc/linear/widened.cpp):
 // widened_linear's output and its C++ autograd gradients against float64 over the same half values,
 // within the bound of a float32 sum rounded once; project routing to it exactly where
-// project_widens says, and to at::linear bit for bit elsewhere; unrounded_linear's float32 sums.
+// project_widens says, to oneDNN's float32 sums for float32 without a gradient, and to at::linear bit
+// for bit elsewhere; unrounded_linear's float32 sums.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -84,11 +85,48 @@ TEST_P(Widened, ProjectWidensExactlyWhereTheCpuHasNoHalfArithmetic) {
   EXPECT_EQ(ca::kernels::project_widens(x, w, b), widens);
   const auto expected = widens ? ca::kernels::widened_linear(x, w, b) : at::linear(x, w, b);
   EXPECT_TRUE(torch::equal(ca::project(x, w, b), expected));
-  // float32 and mixed dtypes are ATen's, bit for bit.
+  // float32 (Project.Float32WithoutAGradientSumsInFloat32) and mixed dtypes do not widen.
   const auto xf = x.to(torch::kFloat32), wf = w.to(torch::kFloat32), bf = b.to(torch::kFloat32);
   EXPECT_FALSE(ca::kernels::project_widens(xf, wf, bf));
-  EXPECT_TRUE(torch::equal(ca::project(xf, wf, bf), at::linear(xf, wf, bf)));
   EXPECT_FALSE(ca::kernels::project_widens(x, w, bf));
+}
+
+// float32 with nothing to differentiate: oneDNN's inner product where float32_products says so, a
+// float32 sum within its bound of the float64 product; at::linear, bit for bit, wherever a gradient is
+// wanted or the weight is not row-major.
+TEST(Project, Float32WithoutAGradientSumsInFloat32) {
+  torch::manual_seed(5);
+  const int64_t k = 768;
+  const auto x = torch::randn({3, 113, k}) * 3;
+  const auto w = torch::randn({2304, k});
+  const auto b = torch::randn({2304});
+  const auto x64 = x.to(torch::kFloat64), w64 = w.to(torch::kFloat64), b64 = b.to(torch::kFloat64);
+  const auto exact = at::linear(x64, w64, b64);
+  const auto magnitude = at::linear(x64.abs(), w64.abs(), b64.abs());
+  const std::string route = ca::kernels::float32_products();
+  EXPECT_EQ(route, at::hasMKLDNN() ? "oneDNN" : "ATen");
+  {
+    torch::NoGradGuard no_grad;
+    for (const bool with_bias : {true, false}) {
+      const auto bias = with_bias ? std::optional<at::Tensor>(b) : std::nullopt;
+      const auto y = ca::project(x, w, bias);
+      ASSERT_EQ(y.sizes(), torch::IntArrayRef({3, 113, 2304}));
+      ASSERT_EQ(y.scalar_type(), torch::kFloat32);
+      const auto want = with_bias ? exact : exact - b64;
+      const auto err = (y.to(torch::kFloat64) - want).abs();
+      const auto limit = magnitude * (double(k + 1) * std::numeric_limits<float>::epsilon()) + 1e-30;
+      EXPECT_TRUE(err.le(limit).all().item<bool>()) << "worst error " << err.max().item<double>();
+      EXPECT_TRUE(torch::equal(ca::kernels::project_no_autograd(x, w, bias), y));
+    }
+    const auto w_columns = w.t().contiguous().t();  // (out, in) stored column-major: ATen's
+    EXPECT_TRUE(torch::equal(ca::project(x, w_columns, b), at::linear(x, w_columns, b)));
+  }
+  const auto xg = x.clone().requires_grad_();
+  const auto y = ca::project(xg, w, b);
+  EXPECT_TRUE(torch::equal(y, at::linear(x, w, b)));
+  y.backward(torch::ones_like(y));
+  ASSERT_TRUE(xg.grad().defined());
+  EXPECT_TRUE(torch::allclose(xg.grad(), torch::ones_like(y).matmul(w).expand_as(x), 1e-4, 1e-3));
 }
 
 TEST_P(Widened, AddmmRefusesWhatItCannotTake) {

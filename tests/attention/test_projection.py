@@ -1,6 +1,7 @@
 """The projections of half-precision models on CPUs without half arithmetic: widened_addmm (half
 operands summed in float32, rounded once) and the differentiable project op that the layer and the
-GPT route their linear layers through (attention/decode.py: project, widened_matmul)."""
+GPT route their linear layers through (attention/decode.py: project, widened_matmul); float32
+projections without a gradient through oneDNN's inner product (float32_matmul)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -96,13 +97,118 @@ def test_widened_products_names_the_route(backend: str) -> None:
 
 def test_widened_products_keep_to_sgemm_where_onednn_would_round() -> None:
     """oneDNN's environment can make its float32 products round (ONEDNN_DEFAULT_FPMATH_MODE): there the
-    widened blocks go to sgemm."""
-    code = "import torch, causal_attention; print(torch.ops.causal_attention.widened_products())"
-    strict = "oneDNN+sgemm" if torch.backends.mkldnn.is_available() else "sgemm"
-    for mode, expected in (("BF16", "sgemm"), ("STRICT", strict)):
+    widened blocks go to sgemm, and float32 projections to ATen."""
+    code = ("import torch, causal_attention; ops = torch.ops.causal_attention; "
+            "print(ops.widened_products(), ops.float32_products())")
+    onednn = torch.backends.mkldnn.is_available()
+    strict = ["oneDNN+sgemm", "oneDNN"] if onednn else ["sgemm", "ATen"]
+    for mode, expected in (("BF16", ["sgemm", "ATen"]), ("STRICT", strict)):
         env = {**os.environ, "ONEDNN_DEFAULT_FPMATH_MODE": mode}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert out.stdout.split()[-1] == expected, (mode, out.stdout, out.stderr)
+        assert out.stdout.split()[-2:] == expected, (mode, out.stdout, out.stderr)
+
+
+def _onednn_calls(fn: Callable[[], object]) -> int:
+    """How many times fn calls oneDNN's float32 inner product (torch's mkldnn::_linear_pointwise)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "mkldnn::_linear_pointwise")
+
+
+@pytest.mark.parametrize("shape, out", [((1, 16), 24), ((4, 9, 16), 24), ((2, 113, 768), 2304), ((1025, 80), 48),
+                                        ((3, 7, 2048), 11)], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_float32_project_without_a_gradient_sums_in_float32(shape: tuple[int, ...], out: int,
+                                                            with_bias: bool) -> None:
+    """float32 without a gradient: oneDNN's inner product where float32_products says so (one call), a
+    float32 sum within its bound of the float64 product, whatever the leading dimensions."""
+    k = shape[-1]
+    gen = torch.Generator().manual_seed(k * 31 + out)
+    x = torch.randn(*shape, generator=gen) * 3
+    w = torch.randn(out, k, generator=gen)
+    b = torch.randn(out, generator=gen) * 4 if with_bias else None
+    route = ops.float32_products()
+    assert route == ("oneDNN" if torch.backends.mkldnn.is_available() else "ATen")
+    with torch.no_grad():
+        y = decode.float32_matmul(x, w, b)
+        calls = _onednn_calls(lambda: ops.project(x, w, b))
+    assert y is not None and y.dtype == torch.float32 and y.shape == (*shape[:-1], out)
+    assert calls == (1 if route == "oneDNN" else 0)
+    exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    magnitude = torch.nn.functional.linear(x.double().abs(), w.double().abs(), None if b is None else b.double().abs())
+    err = (y.double() - exact).abs()
+    assert bool((err <= (k + 1) * EPS32 * magnitude + 1e-30).all()), f"worst {err.max().item():.3g}"
+
+
+def test_float32_matmul_only_where_nothing_is_differentiated() -> None:
+    """ATen's product (None from float32_matmul) wherever a gradient is wanted, under CPU autocast, for
+    other dtypes; the layer's own call under a gradient, the op's product without one."""
+    gen = torch.Generator().manual_seed(2)
+    layer = torch.nn.Linear(16, 8)
+    x = torch.randn(5, 16, generator=gen)
+    w, b = layer.weight, layer.bias
+    assert w.requires_grad and decode.float32_matmul(x, w, b) is None
+    assert decode.float32_matmul(x.requires_grad_(), w.detach(), None) is None
+    x = x.detach()
+    with torch.no_grad():
+        assert torch.equal(decode.float32_matmul(x, w, b), ops.project(x, w, b))
+        assert torch.equal(decode.project(layer, x), ops.project(x, w, b))
+        assert decode.float32_matmul(x.double(), w.double(), b.double()) is None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert decode.float32_matmul(x, w, b) is None
+    y = decode.project(layer, x)
+    assert torch.equal(y, layer(x)) and y.grad_fn is not None
+    y.sum().backward()
+    assert torch.allclose(layer.weight.grad, x.sum(0).expand(8, 16))
+    # A row-major weight's transpose is not row-major: the op keeps ATen's product.
+    w_columns = w.detach().t().contiguous().t()
+    with torch.no_grad():
+        assert torch.equal(ops.project(x, w_columns, b), torch.nn.functional.linear(x, w_columns, b))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("padded", [False, True], ids=["full", "right_padded"])
+def test_gpt_float32_inference_takes_every_product_through_the_op(arch: str, padded: bool) -> None:
+    """A float32 GPT without a gradient: each layer's qkv, output and MLP products and the head go
+    through float32_matmul (oneDNN's inner product where float32_products says so), the logits within
+    float32's rounding of the float64 model's; with a gradient, none of them."""
+    from causal_attention.models import GPT, GPTConfig
+
+    extra = dict(n_kv_heads=2, norm="rmsnorm", gated_mlp=True, positions="rope", activation="silu", bias=False,
+                 tie_head=False) if arch == "llama" else {}
+    config = GPTConfig(vocab_size=97, max_len=64, dim=64, n_layers=2, n_heads=4, **extra)
+    torch.manual_seed(0)
+    gpt = GPT(config).eval()
+    ref = GPT(config).double().eval()
+    ref.load_state_dict({k: v.double() for k, v in gpt.state_dict().items()})
+    tokens = torch.randint(0, 97, (2, 33))
+    mask = torch.arange(33)[None] < torch.tensor([33, 20])[:, None] if padded else None
+    per_layer = 4  # qkv, proj, fc (gate_up), out (down)
+    onednn = ops.float32_products() == "oneDNN"
+    holder: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        calls = _onednn_calls(lambda: holder.setdefault("y", gpt(tokens, mask)))
+        exact = ref(tokens, mask)
+    head_calls = 2 if padded else 1  # right padding: the head per sequence
+    assert calls == ((per_layer * 2 + head_calls) if onednn else 0)
+    err = (holder["y"].double() - exact).abs().max().item()
+    assert err <= 1e-4 * exact.abs().max().item(), err
+    assert _onednn_calls(lambda: gpt(tokens, mask).sum().backward()) == 0
+
+
+@pytest.mark.parametrize("backend", ["onednn", "sgemm", "onednn_bf16_precision"])
+def test_float32_products_never_round(backend: str) -> None:
+    """Where oneDNN is off or would round its float32 products to bfloat16, the float32 projections are
+    ATen's, bit for bit."""
+    gen = torch.Generator().manual_seed(4)
+    x, w, b = torch.randn(64, 300, generator=gen), torch.randn(200, 300, generator=gen), torch.randn(200, generator=gen)
+    with _float32_products(backend), torch.no_grad():
+        onednn = torch.backends.mkldnn.is_available() and backend == "onednn"
+        assert ops.float32_products() == ("oneDNN" if onednn else "ATen")
+        y = ops.project(x, w, b)
+        if not onednn:
+            assert torch.equal(y, torch.nn.functional.linear(x, w, b))
+        assert (y.double() - (x.double() @ w.double().t() + b.double())).abs().max() < 1e-3
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=_name)
@@ -224,6 +330,8 @@ def test_project_is_aten_linear_or_the_widened_product(dtype: torch.dtype) -> No
         with torch.inference_mode():  # the op below autograd
             assert torch.equal(ops.project(x, w, b), widened)
         return
+    if dtype == torch.float32:  # without a gradient: test_float32_project_without_a_gradient_sums_in_float32
+        x.requires_grad_()
     assert torch.equal(ops.project(x, w, b), torch.nn.functional.linear(x, w, b))
     assert decode.widened_matmul(x, w, b) is None
 

@@ -80,7 +80,8 @@ at::Tensor cache_end(const at::Tensor& lengths, const std::optional<at::Tensor>&
 // x (..., in) @ weight^T (+ bias) -> (..., out), differentiable: the layer's and the GPT's projections.
 // at::linear, except for bfloat16/half on a CPU without arithmetic in that type
 // (!kernels::half_arithmetic), where it is kernels::widened_linear: float32's speed instead of a
-// fraction of it.
+// fraction of it; and for float32 with nothing to differentiate, where it is oneDNN's float32 inner
+// product where kernels::float32_products says so.
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 
 // The attention core through the dispatcher (autograd, torch.compile, every backend). With
@@ -241,6 +242,12 @@ bool half_arithmetic(at::ScalarType dtype);
 // weight is in its (out, in) layout, sgemm for the rest; where torch has oneDNN, torch.backends.mkldnn is
 // enabled and its float32 products are IEEE) or "sgemm".
 const char* widened_products();
+
+// What multiplies project's float32 products where nothing is differentiated: "oneDNN" (its float32
+// inner product: torch has oneDNN, torch.backends.mkldnn is enabled and its float32 products are IEEE;
+// for plain CPU operands, a row-major weight, no CPU autocast) or "ATen" (at::linear). MKL's sgemm
+// takes slower paths on AMD CPUs than oneDNN's. Training keeps at::linear.
+const char* float32_products();
 
 // a (M, K) @ b (K, N) (+ bias (N,)) -> (M, N), bfloat16 or half operands of any strides, each output
 // summed in float32 from exact widenings (float32 blocks, widened_products) and rounded once to the

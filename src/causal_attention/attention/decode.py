@@ -1,5 +1,6 @@
 """The projections' fast paths: a decode step of few rows streams each weight once instead of
-calling BLAS; half precision on a CPU without half arithmetic sums in float32 at float32's speed.
+calling BLAS; half precision on a CPU without half arithmetic sums in float32 at float32's speed;
+float32 without a gradient goes to oneDNN's inner product, which MKL's sgemm trails on AMD CPUs.
 
     y = few_rows_linear(layer, x)   # x (..., in): layer(x), streamed when x is a decode step's rows
     y = project(layer, x)           # layer(x), widened where the CPU has no arithmetic in x's dtype
@@ -115,14 +116,35 @@ def widened_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Ten
     return torch.ops.causal_attention.project(x, weight, bias) if widens(x, weight, bias) else None
 
 
+def _plain_cpu(t: Tensor | None, dtype: torch.dtype) -> bool:
+    """Whether t is None or a plain CPU tensor (or parameter) of dtype."""
+    return t is None or (type(t) in (Tensor, nn.Parameter) and t.dtype == dtype and t.device.type == "cpu")
+
+
+def float32_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor | None:
+    """x (..., in) @ weight^T (+ bias) -> (..., out) by the engine's project op where x, weight and
+    bias are plain float32 CPU tensors and no gradient is wanted, in eager mode outside torch.func
+    transforms and CPU autocast (the op takes oneDNN's inner product where torch has it with IEEE
+    float32, else ATen's); None otherwise (the caller's usual path). Training keeps ATen's product,
+    whose gradients autograd knows."""
+    wanted = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                          or (bias is not None and bias.requires_grad))
+    if (wanted or type(x) is not Tensor or not _plain_cpu(x, torch.float32) or not _plain_cpu(weight, torch.float32)
+            or not _plain_cpu(bias, torch.float32) or _tracing() or torch._C._are_functorch_transforms_active()
+            or torch.is_autocast_enabled("cpu") or not _ops.core_loaded()):
+        return None
+    return torch.ops.causal_attention.project(x, weight, bias)
+
+
 def project(layer: nn.Module, x: Tensor) -> Tensor:
-    """layer(x) (x: (..., in) -> (..., out)): by widened_matmul where calling the layer would compute
-    only its weight product (_linear_weights) and widened_matmul takes x against its weights, by
-    calling the layer otherwise."""
-    if x.dtype not in _HALF or _global_forward_hooks():
+    """layer(x) (x: (..., in) -> (..., out)): by widened_matmul (half) or float32_matmul (float32)
+    where calling the layer would compute only its weight product (_linear_weights) and they take x
+    against its weights, by calling the layer otherwise."""
+    if (x.dtype not in _HALF and x.dtype != torch.float32) or _global_forward_hooks():
         return layer(x)
     weights = _linear_weights(layer)
-    y = None if weights is None else widened_matmul(x, *weights)
+    product = widened_matmul if x.dtype in _HALF else float32_matmul
+    y = None if weights is None else product(x, *weights)
     return layer(x) if y is None else y
 
 

@@ -26,6 +26,7 @@ from ..attention.decode import (
     _tracing,
     few_rows_linear,
     few_rows_matmul,
+    float32_matmul,
     project,
     unrounded_matmul,
     widened_matmul,
@@ -128,12 +129,13 @@ class Block(nn.Module):
         return self.attn.attend(qkv, mask, cache=cache), None
 
     def _mlp(self, x: Tensor) -> Tensor:
-        """self.mlp(x) (x (..., dim) -> (..., dim)); module by module where its products may widen
-        (project: half precision on a CPU without half arithmetic) and nothing hooks the Sequential."""
+        """self.mlp(x) (x (..., dim) -> (..., dim)); module by module where project may take its
+        products (half precision on a CPU without half arithmetic; float32 without a gradient) and
+        nothing hooks the Sequential."""
         mlp = self.mlp
         if isinstance(mlp, GatedMLP):
             return mlp(x)
-        if x.dtype in _HALF and type(mlp) is nn.Sequential and not (
+        if (x.dtype in _HALF or x.dtype == torch.float32) and type(mlp) is nn.Sequential and not (
             mlp._forward_hooks or mlp._forward_pre_hooks or _global_forward_hooks()
         ):
             return mlp[3](project(mlp[2], mlp[1](project(mlp[0], x))))
@@ -287,6 +289,8 @@ class GPT(nn.Module):
         y = few_rows_matmul(h, weight)  # a decode step: W h^T
         if y is None:
             y = widened_matmul(h, weight)  # half precision on a CPU without half arithmetic
+        if y is None:
+            y = float32_matmul(h, weight)  # float32 without a gradient
         return h @ weight.t() if y is None else y
 
     def forward(
@@ -337,7 +341,11 @@ class GPT(nn.Module):
         logits = h.new_empty(B, T, weight.shape[0])
         start = 0
         for b, n in enumerate(lengths):
-            torch.mm(h[start : start + n], weight.t(), out=logits[b, :n])
+            y = float32_matmul(h[start : start + n], weight)  # float32: oneDNN's product where it applies
+            if y is None:
+                torch.mm(h[start : start + n], weight.t(), out=logits[b, :n])
+            else:
+                logits[b, :n].copy_(y)
             logits[b, n:].zero_()
             start += n
         return logits
