@@ -15,7 +15,8 @@
 //   decode_layer(x, qkv_weight, qkv_bias, proj_weight, proj_bias, k_cache!, v_cache!, lengths!, key_padding_mask,
 //                n_heads, n_kv_heads=None) -> out      a whole decode step: cache_end, the ops above and below, fused
 //   few_rows_linear(x, weight, bias) -> y                              a decode step's linear layers
-//   project(x, weight, bias) -> y           differentiable; half on CPUs without half arithmetic: widened
+//   project(x, weight, bias) -> y           differentiable; half on CPUs without half arithmetic: widened;
+//                                           float32 with nothing to differentiate: oneDNN (float32_products)
 //   widened_addmm(a, b, bias) -> c          a @ b + bias, half operands summed in float32, rounded once
 //   widened_addmm_sums(a, b) -> (c, sums)   a @ b as above and b.sum(0) in float32 (a weight's and a bias's grads)
 //   half_arithmetic(dtype) -> bool          whether project leaves dtype to ATen here

@@ -346,8 +346,11 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const std::opt
   if (kernels::project_widens(x, weight, bias)) {
     return kernels::widened_linear(x, weight, bias);
   }
-  const bool differentiated = at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() ||
-                                                              (bias.has_value() && bias->requires_grad()));
+  // Reverse mode (a gradient wanted) or forward mode (a tangent, which oneDNN's op would drop): ATen's.
+  const auto wanted = [](const at::Tensor& t) {
+    return (at::GradMode::is_enabled() && t.requires_grad()) || t._fw_grad(/*level=*/0).defined();
+  };
+  const bool differentiated = wanted(x) || wanted(weight) || (bias.has_value() && wanted(*bias));
   return differentiated ? at::linear(x, weight, bias) : kernels::project_no_autograd(x, weight, bias);
 }
 

@@ -3,7 +3,10 @@
 // within the bound of a float32 sum rounded once; project routing to it exactly where
 // project_widens says, to oneDNN's float32 sums for float32 without a gradient, and to at::linear bit
 // for bit elsewhere; unrounded_linear's float32 sums.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/forward_grad.h>
 #include <torch/torch.h>
 
 #include <limits>
@@ -91,6 +94,15 @@ TEST_P(Widened, ProjectWidensExactlyWhereTheCpuHasNoHalfArithmetic) {
   EXPECT_FALSE(ca::kernels::project_widens(x, w, bf));
 }
 
+// A forward-mode AD level for the scope (Python's forward_ad.dual_level).
+struct DualLevel {
+  DualLevel() : idx(torch::autograd::ForwardADLevel::get_next_idx()) {}
+  ~DualLevel() { torch::autograd::ForwardADLevel::release_idx(idx); }
+  DualLevel(const DualLevel&) = delete;
+  DualLevel& operator=(const DualLevel&) = delete;
+  const uint64_t idx;
+};
+
 // float32 with nothing to differentiate: oneDNN's inner product where float32_products says so, a
 // float32 sum within its bound of the float64 product; at::linear, bit for bit, wherever a gradient is
 // wanted or the weight is not row-major.
@@ -117,9 +129,32 @@ TEST(Project, Float32WithoutAGradientSumsInFloat32) {
       const auto limit = magnitude * (double(k + 1) * std::numeric_limits<float>::epsilon()) + 1e-30;
       EXPECT_TRUE(err.le(limit).all().item<bool>()) << "worst error " << err.max().item<double>();
       EXPECT_TRUE(torch::equal(ca::kernels::project_no_autograd(x, w, bias), y));
+      // The route float32_products names, bit for bit: oneDNN's op called directly, or at::linear.
+      at::Tensor direct = at::linear(x, w, bias);
+      if (route == "oneDNN") {
+        const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+        torch::jit::Stack stack{x.reshape({-1, k}), w, with_bias ? c10::IValue(b) : c10::IValue(), std::string("none"),
+                                c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+        op.callBoxed(&stack);
+        direct = stack.at(0).toTensor().view({3, 113, 2304});
+      }
+      EXPECT_TRUE(torch::equal(y, direct)) << "not the route float32_products names: " << route;
     }
     const auto w_columns = w.t().contiguous().t();  // (out, in) stored column-major: ATen's
     EXPECT_TRUE(torch::equal(ca::project(x, w_columns, b), at::linear(x, w_columns, b)));
+  }
+  // A tangent (forward-mode AD) is differentiated too: ATen's, which carries it.
+  {
+    torch::NoGradGuard no_grad;
+    const DualLevel level;
+    ASSERT_EQ(level.idx, 0u);  // the level _fw_grad(0) reads
+    const auto tangent = torch::randn_like(x);
+    const auto dual = x.clone();
+    dual._set_fw_grad(tangent, level.idx, /*is_inplace_op=*/false);
+    const auto y = ca::project(dual, w, b);
+    EXPECT_TRUE(torch::equal(y, at::linear(x, w, b)));
+    ASSERT_TRUE(y._fw_grad(0).defined());
+    EXPECT_TRUE(torch::allclose(y._fw_grad(0), at::linear(tangent, w), 1e-4, 1e-4));
   }
   const auto xg = x.clone().requires_grad_();
   const auto y = ca::project(xg, w, b);

@@ -196,6 +196,84 @@ def test_gpt_float32_inference_takes_every_product_through_the_op(arch: str, pad
     assert _onednn_calls(lambda: gpt(tokens, mask).sum().backward()) == 0
 
 
+def test_float32_project_keeps_forward_mode_tangents_and_traces() -> None:
+    """A dual tensor (forward-mode AD) is differentiated: ATen's product carries its tangent, where
+    oneDNN's op would drop it; torch.jit.trace records ATen's product, not the engine's op."""
+    import torch.autograd.forward_ad as fwAD
+
+    gen = torch.Generator().manual_seed(6)
+    layer = torch.nn.Linear(300, 40)
+    x, t = torch.randn(7, 300, generator=gen), torch.randn(7, 300, generator=gen)
+    with torch.no_grad(), fwAD.dual_level():
+        assert decode.float32_matmul(fwAD.make_dual(x, t), layer.weight, layer.bias) is None
+        y = ops.project(fwAD.make_dual(x, t), layer.weight, layer.bias)
+        y_mod = decode.project(layer, fwAD.make_dual(x, t))
+        tangents = fwAD.unpack_dual(y).tangent, fwAD.unpack_dual(y_mod).tangent
+    for tangent in tangents:
+        assert tangent is not None
+        torch.testing.assert_close(tangent, t @ layer.weight.detach().t())
+    class Projected(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, v: torch.Tensor) -> torch.Tensor:
+            return decode.project(self.layer, v)
+
+    with torch.no_grad():
+        traced = torch.jit.trace(Projected(), (x,))
+    assert "causal_attention::project" not in str(traced.graph) and "aten::linear" in str(traced.graph)
+
+
+def test_float32_project_edge_cases_fall_back_or_refuse_as_aten_does() -> None:
+    """Strided inputs and biases, 1-D inputs, empty sizes and inference mode give ATen's values (within
+    float32's rounding); shapes that do not match raise ATen's errors."""
+    gen = torch.Generator().manual_seed(7)
+    w, b = torch.randn(24, 40, generator=gen), torch.randn(48, generator=gen)[::2]  # a strided bias
+    cases = [torch.randn(5, 80, generator=gen)[:, ::2], torch.randn(40, generator=gen),
+             torch.randn(3, 40, 5, generator=gen).transpose(1, 2), torch.randn(0, 40)]
+    with torch.no_grad():
+        for x in cases:
+            y = ops.project(x, w, b)
+            torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+            assert y.shape == (*x.shape[:-1], 24)
+        assert ops.project(torch.randn(3, 0), torch.randn(5, 0), None).shape == (3, 5)
+        assert ops.project(torch.randn(3, 4), torch.randn(0, 4), None).shape == (3, 0)
+        with torch.inference_mode():
+            x = torch.randn(6, 40, generator=gen)
+            torch.testing.assert_close(ops.project(x, w, b), torch.nn.functional.linear(x, w, b),
+                                       rtol=1e-5, atol=1e-5)
+        for bad_w, bad_b in ((torch.randn(24, 41), None), (w, torch.randn(23))):
+            with pytest.raises(RuntimeError) as ours:
+                ops.project(torch.randn(2, 40), bad_w, bad_b)
+            with pytest.raises(RuntimeError) as aten:
+                torch.nn.functional.linear(torch.randn(2, 40), bad_w, bad_b)
+            assert str(ours.value).split("\n")[0] == str(aten.value).split("\n")[0]
+
+
+def test_a_parametrized_weight_is_computed_once_a_call() -> None:
+    """project reads a parametrized layer's weight once and multiplies that, with or without a gradient."""
+    from torch.nn.utils import parametrize
+
+    class Counted(torch.nn.Module):
+        calls = 0
+
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            Counted.calls += 1
+            return w * 2
+
+    layer = torch.nn.Linear(16, 8)
+    parametrize.register_parametrization(layer, "weight", Counted())
+    x = torch.randn(3, 16)
+    for grad in (True, False):
+        Counted.calls = 0
+        with torch.set_grad_enabled(grad):
+            y = decode.project(layer, x)
+        assert Counted.calls == 1, grad
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.parametrizations.weight.original * 2,
+                                                                 layer.bias))
+
+
 @pytest.mark.parametrize("backend", ["onednn", "sgemm", "onednn_bf16_precision"])
 def test_float32_products_never_round(backend: str) -> None:
     """Where oneDNN is off or would round its float32 products to bfloat16, the float32 projections are
@@ -444,7 +522,8 @@ def test_layer_and_gpt_widen_their_projections_on_the_avx2_path() -> None:
 
 def test_bench_half_quick(tmp_path: Path) -> None:
     """bench-half at tiny sizes: a layer row and a prefill row per dtype, each section naming the ISA
-    and the projections' route as half_arithmetic says, the files written."""
+    and the projections' route as half_arithmetic says (the prefill's also its float32 twin's), the
+    files written."""
     from causal_attention.tools.bench import half as bench_half
 
     report = bench_half.main(out_dir=tmp_path, repeats=1, quick=True)
@@ -454,6 +533,8 @@ def test_bench_half_quick(tmp_path: Path) -> None:
         widened = not ops.half_arithmetic(dtype)
         assert ("widened" in report["routes"][_name(dtype)]) == widened
         assert sum(f" {_name(dtype)} vs float32 ({report['cpu_capability']}" in r["section"] for r in rows) == 2
+    prefill = [r["section"] for r in rows if "prefill" in r["name"]]
+    assert len(prefill) == 2 and all(s.endswith(f"float32: {ops.float32_products()})") for s in prefill), prefill
     assert (tmp_path / "bench_half.json").stat().st_size > 0 and (tmp_path / "bench_half.png").stat().st_size > 0
     with pytest.raises(ValueError, match="dtypes must be a non-empty selection"):
         bench_half.main(out_dir=tmp_path, repeats=1, quick=True, dtypes=(torch.float32,))

@@ -214,10 +214,12 @@ void linear_rows_block(const x_t* x, int64_t rows, int64_t in, const scalar_t* w
     }
   };
   int64_t m = 0;
-  for (; m + kLinearRows <= rows; m += kLinearRows) {
-    run(std::integral_constant<int, kLinearRows>{}, m);
+  if constexpr (RO <= 3) {  // (6 weight rows take at most 4 input rows: linear_rows)
+    for (; m + kLinearRows <= rows; m += kLinearRows) {
+      run(std::integral_constant<int, kLinearRows>{}, m);
+    }
   }
-  if constexpr (kLinearRows > 4) {
+  if constexpr (kLinearRows > 4 || RO > 3) {
     for (; m + 4 <= rows; m += 4) {
       run(std::integral_constant<int, 4>{}, m);
     }

@@ -12,7 +12,9 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd import forward_ad as _forward_ad
 from torch.nn.modules import module as _torch_module
 
 from . import _ops
@@ -123,14 +125,15 @@ def _plain_cpu(t: Tensor | None, dtype: torch.dtype) -> bool:
 
 def float32_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor | None:
     """x (..., in) @ weight^T (+ bias) -> (..., out) by the engine's project op where x, weight and
-    bias are plain float32 CPU tensors and no gradient is wanted, in eager mode outside torch.func
-    transforms and CPU autocast (the op takes oneDNN's inner product where torch has it with IEEE
-    float32, else ATen's); None otherwise (the caller's usual path). Training keeps ATen's product,
-    whose gradients autograd knows."""
+    bias are plain float32 CPU tensors and no gradient is wanted, in eager mode (not compiling,
+    exporting or jit-tracing) outside torch.func transforms, forward-mode AD and CPU autocast (the op
+    takes oneDNN's inner product where torch has it with IEEE float32, else ATen's); None otherwise
+    (the caller's usual path). Training keeps ATen's product, whose gradients autograd knows."""
     wanted = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                           or (bias is not None and bias.requires_grad))
     if (wanted or type(x) is not Tensor or not _plain_cpu(x, torch.float32) or not _plain_cpu(weight, torch.float32)
-            or not _plain_cpu(bias, torch.float32) or _tracing() or torch._C._are_functorch_transforms_active()
+            or not _plain_cpu(bias, torch.float32) or _tracing() or torch.jit.is_tracing()
+            or torch._C._are_functorch_transforms_active() or _forward_ad._current_level >= 0
             or torch.is_autocast_enabled("cpu") or not _ops.core_loaded()):
         return None
     return torch.ops.causal_attention.project(x, weight, bias)
@@ -143,9 +146,12 @@ def project(layer: nn.Module, x: Tensor) -> Tensor:
     if (x.dtype not in _HALF and x.dtype != torch.float32) or _global_forward_hooks():
         return layer(x)
     weights = _linear_weights(layer)
+    if weights is None:
+        return layer(x)
     product = widened_matmul if x.dtype in _HALF else float32_matmul
-    y = None if weights is None else product(x, *weights)
-    return layer(x) if y is None else y
+    y = product(x, *weights)
+    # (The weights as read: a parametrized weight is computed once, not again by the layer's call.)
+    return F.linear(x, *weights) if y is None else y
 
 
 def unrounded_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

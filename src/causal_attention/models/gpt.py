@@ -331,7 +331,8 @@ class GPT(nn.Module):
     def _padded_logits(self, h: Tensor, packing: _Packing, *, float32: bool = False) -> Tensor:
         """Packed hidden states (N, dim) -> logits (B, T, V) with zeros at padding. Without autograd
         and with right padding, each sequence's logits are written in place by the head's product
-        (no (N, V) temporary, no scatter); otherwise one scatter."""
+        (float32 where float32_matmul takes it: copied from its (n, V) product), no scatter of an
+        (N, V) temporary; otherwise one scatter."""
         weight = self.head_weight
         lengths = packing.right_padded_lengths()
         if (lengths is None or (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad))

@@ -6,7 +6,8 @@ GPT-2 124M's prefill of 512 tokens (B=1, logits everywhere, no autograd), in bfl
 Each section names the engine's instruction set and the route of the projections: ATen's half GEMMs
 where the CPU has arithmetic in the dtype (torch.ops.causal_attention.half_arithmetic), else the
 engine's widened products (half operands widened exactly to float32 a block at a time and multiplied by
-oneDNN's inner product or sgemm: torch.ops.causal_attention.widened_products).
+oneDNN's inner product or sgemm: torch.ops.causal_attention.widened_products); the prefill's also its
+float32 twin's (oneDNN's inner product or ATen's: torch.ops.causal_attention.float32_products).
 
 x = float32's time / the half model's (above 1: half is faster).
 """
@@ -86,7 +87,9 @@ def prefill_rows(dtype: torch.dtype, *, repeats: int, quick: bool, say: Callable
         times = interleaved_times({"half": lambda: half(tokens), "float32": lambda: models["float32"](tokens)},
                                   repeats=repeats, warmup=1)
     label = "GPT-2 124M" if not quick else "GPT-2 (tiny)"
-    section = f"{label} {dtype_name(dtype)} vs float32 ({torch.ops.causal_attention.cpu_capability()}; {route(dtype)})"
+    float32 = torch.ops.causal_attention.float32_products()  # the float32 twin's products (no gradient)
+    section = (f"{label} {dtype_name(dtype)} vs float32 ({torch.ops.causal_attention.cpu_capability()}; {route(dtype)}; "
+               f"float32: {float32})")
     return [_row(section, f"prefill of {shape['prefill']} tokens, B=1, logits everywhere", times)]
 
 
