@@ -232,9 +232,9 @@ void linear_rows_block(const x_t* x, int64_t rows, int64_t in, const scalar_t* w
   }
 }
 
-// linear_rows with kOut weight rows per block; the rows of the block about kAheadBytes ahead are prefetched into L2
-// meanwhile, so that memory streams while the FMAs work (into L1, the prefetches evict the rows in
-// use); past about 48 KB ahead, further gains nothing.
+// linear_rows with kOut weight rows per block; the rows of the block about kAheadBytes ahead are
+// prefetched into L2 meanwhile, so that memory streams while the FMAs work (into L1, the prefetches
+// evict the rows in use); past about 48 KB ahead, further gains nothing.
 template <int kOut, typename scalar_t, typename Block, typename x_t, typename y_t>
 void linear_rows_by(const x_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o0,
                     int64_t o1, y_t* y, int64_t ld_y) {
@@ -267,10 +267,10 @@ void linear_rows_by(const x_t* x, int64_t rows, int64_t in, const scalar_t* w, c
 }
 
 // linear_rows of tile_ops.h with Block's kernel on x's rows (acc_t for FmaBlock, bfloat16 for PairBlock),
-// into y_t (scalar_t, or acc_t for the *_acc entries). Weight rows per block: 3, or 6 for 3 or 4 rows with fused multiply-adds on
-// AVX-512, where 4 x 6 accumulators fit the registers beside the x vectors: each x vector loaded then
-// feeds 6 multiply-adds rather than 3 (at 4 rows the pass was compute bound, where fewer rows stream at
-// memory's rate and bfloat16 pairs do twice the work an instruction).
+// into y_t (scalar_t, or acc_t for the *_acc entries). Weight rows per block: 3, or 6 for 3 or 4 rows
+// with fused multiply-adds on AVX-512, where 4 x 6 accumulators fit the registers beside the x vectors:
+// each x vector loaded then feeds 6 multiply-adds rather than 3 (at 4 rows the pass was compute bound,
+// where fewer rows stream at memory's rate and bfloat16 pairs do twice the work an instruction).
 template <typename scalar_t, typename Block = FmaBlock, typename x_t = at::opmath_type<scalar_t>,
           typename y_t = scalar_t>
 void linear_rows(const x_t* x, int64_t rows, int64_t in, const scalar_t* w, const scalar_t* bias, int64_t o0,
