@@ -20,7 +20,8 @@
 //   widened_addmm(a, b, bias) -> c          a @ b + bias, half operands summed in float32, rounded once
 //   widened_addmm_sums(a, b) -> (c, sums)   a @ b as above and b.sum(0) in float32 (a weight's and a bias's grads)
 //   half_arithmetic(dtype) -> bool          whether project leaves dtype to ATen here
-//   widened_products() -> str               "oneDNN+sgemm" or "sgemm": what multiplies widened_addmm's blocks
+//   widened_products() -> str               "panels", "oneDNN+sgemm" or "sgemm": what multiplies widened_addmm's
+//                                           operands (the engine's own widening GEMM, or widened blocks)
 //   float32_products() -> str               "oneDNN" or "ATen": what multiplies project's float32 inference
 //   tile_products(dtype) -> str             what runs the attention kernels' tile products of dtype here
 //   unrounded_linear(x, weight, bias) -> y  x @ weight^T + bias summed in float32, not rounded back to half

@@ -28,6 +28,8 @@ void set_pair_gemm_ops(TileOps<scalar_t>& ops);  // attention/cpu/pair_gemm.cpp
 template <typename scalar_t>
 void set_linear_rows_ops(TileOps<scalar_t>& ops);  // linear/cpu/linear_rows.cpp
 template <typename scalar_t>
+void set_widened_gemm_ops(TileOps<scalar_t>& ops);  // linear/cpu/widened_gemm.cpp
+template <typename scalar_t>
 void set_rotary_ops(TileOps<scalar_t>& ops);  // models/cpu/rotary_rows.cpp
 
 }  // namespace causal_attention::tile::CPU_CAPABILITY

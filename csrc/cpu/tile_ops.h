@@ -29,6 +29,8 @@ inline constexpr int64_t kNoCausal = std::numeric_limits<int64_t>::max() / 2;
 // Columns per panel of panel_gemm's B operand.
 inline constexpr int64_t kPanel = 16;
 
+// The most values of k per packed block of widened_gemm's B (the size of its pack).
+inline constexpr int64_t kWidenedDepth = 1024;
 // decode_chunk's rows per pass over the keys and values.
 inline constexpr int64_t kDecodeGroupRows = 4;
 
@@ -175,6 +177,17 @@ struct TileOps {
   // kk * kPanel + j % kPanel], zero past n: ceil(n / kPanel) * k * kPanel values. The layout in which an
   // operand (keys as columns or as rows) streams through the micro-kernel.
   void (*pack_panels)(const scalar_t* src, int64_t rs, int64_t cs, int64_t k, int64_t n, acc_t* dst);
+
+  // bfloat16 / half on AVX2 and AVX512 (else nullptr): the product of a half model's projection on a CPU
+  // without arithmetic in its type. C (m x n, float32, ldc) = A . B (+ bias), A float32 (element (i, kk) at
+  // a[i * rs_a + kk * cs_a]), B (k x n, element (kk, j) at b[kk * rs_b + j * cs_b]) widened to float32 (exact)
+  // as it is packed, kWidenedDepth rows of k at a time, into pack (>= kWidenedDepth * ceil(n / kPanel) *
+  // kPanel floats). Each output is one chain of fused multiply-adds over k in order from 0, then + bias[j]
+  // (float32, or nullptr): the same bits however a caller splits the rows and columns. b_sums (n float32, or
+  // nullptr) receives B's column sums: each block's in k order, the blocks' added in order.
+  void (*widened_gemm)(int64_t m, int64_t n, int64_t k, const acc_t* a, int64_t rs_a, int64_t cs_a,
+                       const scalar_t* b, int64_t rs_b, int64_t cs_b, const acc_t* bias, acc_t* c, int64_t ldc,
+                       acc_t* pack, acc_t* b_sums);
 
   // out (ld_out) = x (rows x cols, ld) rounded to the input type and back: the operand that a product
   // in the input type would see (a copy for float and double). out may be x itself (then ld_out ==

@@ -13,6 +13,7 @@ TileOps<scalar_t> make_tile_ops() {
   set_dropout_ops(ops);
   set_decode_ops(ops);
   set_linear_rows_ops(ops);
+  set_widened_gemm_ops(ops);
   set_rotary_ops(ops);
   set_panel_gemm_ops(ops);
   set_pair_gemm_ops(ops);

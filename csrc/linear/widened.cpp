@@ -1,11 +1,12 @@
 // The projections of a half-precision model on a CPU without arithmetic in its type (AVX2, or AVX-512
 // without BF16 / FP16): ATen's bfloat16 and half GEMMs run 3.5-4x slower than float32 there. Here the
-// operands are widened to float32 (exact; one of them a cache-sized block at a time) and multiplied by
-// oneDNN's float32 inner product or sgemm, so each output is a float32 sum of exact products, rounded
-// once, at float32's speed. float32 projections with nothing to differentiate take the same inner
-// product (project).
+// operands are widened to float32 (exact) as the engine's own GEMM packs them (widened_gemm, the AVX2 and
+// AVX512 builds), or in cache-sized blocks multiplied by oneDNN's float32 inner product or sgemm (the
+// DEFAULT build), so each output is a float32 sum of exact products, rounded once, at float32's speed.
+// float32 projections with nothing to differentiate take oneDNN's inner product (project).
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/autocast_mode.h>
@@ -16,9 +17,11 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <vector>
 
 #include "attention/blas.h"
 #include "causal_attention/attention.h"
+#include "cpu/tile_ops.h"
 #include "linear/widened.h"
 
 namespace causal_attention {
@@ -177,10 +180,73 @@ at::Tensor sgemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bia
   return sums;
 }
 
+// Columns of C per task of widened_panels.
+constexpr int64_t kPanelColumns = 64;
+// widened_panels' block of a, widened to float32 rows: it stays in L3 while every block of b's columns passes.
+constexpr int64_t kPanelRowBytes = int64_t(1) << 23;
+
+// widened_blocks by the ISA's widened_gemm (false where the build has none): a widened to float32 rows a
+// block of rows at a time (row-major whatever its layout, so that the kernel reads each row in order); b
+// widened as each task packs it. The tasks of a block of rows are blocks of kPanelColumns columns, split
+// by rows as well where there are few (a narrow product; each part packs its own b).
+template <typename scalar_t>
+bool widened_panels(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
+                    const at::Tensor& out, const at::Tensor& b_sums) {
+  const auto& ops = tile::tile_ops<scalar_t>();
+  if (ops.widened_gemm == nullptr || ops.store == nullptr || out.stride(1) != 1) {
+    return false;
+  }
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  const int64_t block_rows = std::min(M, std::max<int64_t>(6, kPanelRowBytes / (4 * K) / 6 * 6));
+  const at::Tensor a_block = at::empty({block_rows, K}, a.options().dtype(at::kFloat));
+  const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const bool in_place = out.scalar_type() == at::kFloat;  // float32 sums written where they belong
+  const int64_t chunks = (N + kPanelColumns - 1) / kPanelColumns;
+  const int64_t threads = at::get_num_threads();
+  const int64_t ld = out.stride(0);
+  const scalar_t* b_ptr = b.const_data_ptr<scalar_t>();
+  const float* bias_ptr = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
+  for (int64_t i0 = 0; i0 < M; i0 += block_rows) {
+    const int64_t rows_here = std::min(block_rows, M - i0);
+    const at::Tensor a_f = a_block.narrow(0, 0, rows_here).copy_(a.narrow(0, i0, rows_here));  // (rows, K)
+    const float* a_ptr = a_f.const_data_ptr<float>();
+    const int64_t splits =
+        std::clamp<int64_t>((2 * threads + chunks - 1) / chunks, 1, std::max<int64_t>(1, rows_here / 48));
+    const int64_t part_rows = ((rows_here + splits - 1) / splits + 5) / 6 * 6;
+    float* sums_ptr = b_sums.defined() && i0 == 0 ? b_sums.data_ptr<float>() : nullptr;
+    at::parallel_for(0, chunks * splits, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> pack(tile::kWidenedDepth * kPanelColumns);
+      std::vector<float> sums(in_place ? 0 : std::min(part_rows, rows_here) * kPanelColumns);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t j0 = (t / splits) * kPanelColumns, r0 = (t % splits) * part_rows;
+        const int64_t cols = std::min(kPanelColumns, N - j0), rows = std::min(part_rows, rows_here - r0);
+        if (rows <= 0) {
+          continue;
+        }
+        float* c = in_place ? out.data_ptr<float>() + (i0 + r0) * ld + j0 : sums.data();
+        const int64_t ldc = in_place ? ld : kPanelColumns;
+        ops.widened_gemm(rows, cols, K, a_ptr + r0 * K, K, 1, b_ptr + j0 * b.stride(1), b.stride(0), b.stride(1),
+                         bias_ptr != nullptr ? bias_ptr + j0 : nullptr, c, ldc, pack.data(),
+                         sums_ptr != nullptr && r0 == 0 ? sums_ptr + j0 : nullptr);
+        if (!in_place) {
+          ops.store(c, ldc, rows, cols, out.data_ptr<scalar_t>() + (i0 + r0) * ld + j0, ld);
+        }
+      }
+    });
+  }
+  return true;
+}
+
 }  // namespace
 
 void widened_blocks(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
                     const at::Tensor& out, const at::Tensor& b_sums) {
+  const bool panels = AT_DISPATCH_REDUCED_FLOATING_TYPES(a.scalar_type(), "widened_blocks", [&] {
+    return widened_panels<scalar_t>(a, b, bias, out, b_sums);
+  });
+  if (panels) {
+    return;
+  }
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
   // Blocks of rows where M >= N (b widened once, whole: up to twice its half size), of columns otherwise
   // (a widened once: a prompt's rows against a head's 50257 columns); a block's widened operand and its
@@ -222,7 +288,12 @@ void widened_blocks(const at::Tensor& a, const at::Tensor& b, const std::optiona
   }
 }
 
-const char* widened_products() { return onednn_linear_op().has_value() ? "oneDNN+sgemm" : "sgemm"; }
+const char* widened_products() {
+  if (tile::tile_ops<c10::BFloat16>().widened_gemm != nullptr) {
+    return "panels";
+  }
+  return onednn_linear_op().has_value() ? "oneDNN+sgemm" : "sgemm";
+}
 
 const char* float32_products() { return onednn_linear_op().has_value() ? "oneDNN" : "ATen"; }
 

@@ -278,6 +278,8 @@ def test_each_instruction_set_is_exact(capability):
 PATH_SUITES = ("test_engine.py", "test_parity.py", "test_precision.py", "test_compile.py", "test_autograd.py",
                "test_dropout.py", "test_properties.py", "test_nonfinite.py", "test_fuzz.py", "test_gqa.py",
                "test_unrounded.py", "../models/test_rotary.py",
+               "test_projection.py::test_widened_addmm_sums_in_float32_and_rounds_once",
+               "test_projection.py::test_widened_products_names_the_route",
                "test_cache.py::test_cache_refuses_grad_mode_whatever_wants_a_gradient",
                "test_cache.py::test_a_full_sequence_does_not_block_the_batch",
                "test_cache.py::test_kv_cache_write_writes_only_real_tokens",

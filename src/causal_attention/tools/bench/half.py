@@ -5,8 +5,9 @@ the layer's forward+backward (B=4, T=1024, dim 768, 12 heads, right-padded to le
 GPT-2 124M's prefill of 512 tokens (B=1, logits everywhere, no autograd), in bfloat16 and float16.
 Each section names the engine's instruction set and the route of the projections: ATen's half GEMMs
 where the CPU has arithmetic in the dtype (torch.ops.causal_attention.half_arithmetic), else the
-engine's widened products (half operands widened exactly to float32 a block at a time and multiplied by
-oneDNN's inner product or sgemm: torch.ops.causal_attention.widened_products); the prefill's also its
+engine's widened products (half operands widened exactly to float32 as the engine's AVX2 / AVX-512 GEMM
+packs them, "panels", or a block at a time for oneDNN's inner product or sgemm in other builds:
+torch.ops.causal_attention.widened_products); the prefill's also its
 float32 twin's (oneDNN's inner product or ATen's: torch.ops.causal_attention.float32_products).
 
 x = float32's time / the half model's (above 1: half is faster).
@@ -38,7 +39,7 @@ def route(dtype: torch.dtype) -> str:
     """How the layer and the GPT compute their projections in dtype on this CPU."""
     if torch.ops.causal_attention.half_arithmetic(dtype):
         return "projections: ATen's half GEMMs"
-    return f"projections: widened to float32 blocks, {torch.ops.causal_attention.widened_products()}"
+    return f"projections: widened to float32, {torch.ops.causal_attention.widened_products()}"
 
 
 def _row(section: str, name: str, times: dict[str, list[float]]) -> Row:
