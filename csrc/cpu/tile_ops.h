@@ -1,6 +1,7 @@
 // The table of per-instruction-set kernels: the element-wise work on attention tiles (online softmax,
 // rescaling, the backward's probabilities and score gradients), dropout, the decode kernel, the
-// few-rows linear kernel and the micro-kernels of the tile products (tile_products.h).
+// few-rows linear kernel, the widening GEMM of half projections and the micro-kernels of the tile
+// products (tile_products.h).
 //
 // Each family is one file compiled once per instruction set (DEFAULT, AVX2, AVX512; cpu/families.h),
 // and the table is chosen at run time from ATen's CPU capability, as ATen's own kernels are; the
@@ -182,7 +183,7 @@ struct TileOps {
   // without arithmetic in its type. C (m x n, float32, ldc) = A . B (+ bias), A float32 (element (i, kk) at
   // a[i * rs_a + kk * cs_a]), B (k x n, element (kk, j) at b[kk * rs_b + j * cs_b]) widened to float32 (exact)
   // as it is packed, kWidenedDepth rows of k at a time, into pack (>= kWidenedDepth * ceil(n / kPanel) *
-  // kPanel floats). Each output is one chain of fused multiply-adds over k in order from 0, then + bias[j]
+  // kPanel floats); k > 0. Each output is one chain of fused multiply-adds over k in order from 0, then + bias[j]
   // (float32, or nullptr): the same bits however a caller splits the rows and columns. b_sums (n float32, or
   // nullptr) receives B's column sums: each block's in k order, the blocks' added in order.
   void (*widened_gemm)(int64_t m, int64_t n, int64_t k, const acc_t* a, int64_t rs_a, int64_t cs_a,

@@ -16,6 +16,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -193,11 +194,15 @@ template <typename scalar_t>
 bool widened_panels(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
                     const at::Tensor& out, const at::Tensor& b_sums) {
   const auto& ops = tile::tile_ops<scalar_t>();
-  if (ops.widened_gemm == nullptr || ops.store == nullptr || out.stride(1) != 1) {
+  static_assert(kPanelColumns % tile::kPanel == 0);
+  if (ops.widened_gemm == nullptr || ops.store == nullptr || out.stride(1) != 1 ||
+      (b_sums.defined() && !b_sums.is_contiguous())) {
     return false;
   }
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
-  const int64_t block_rows = std::min(M, std::max<int64_t>(6, kPanelRowBytes / (4 * K) / 6 * 6));
+  // (rows of at least kPanelColumns values' bytes: a short K would make the rounding's staging rows large)
+  const int64_t block_rows =
+      std::min(M, std::max<int64_t>(6, kPanelRowBytes / (4 * std::max(K, kPanelColumns)) / 6 * 6));
   const at::Tensor a_block = at::empty({block_rows, K}, a.options().dtype(at::kFloat));
   const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const bool in_place = out.scalar_type() == at::kFloat;  // float32 sums written where they belong
@@ -215,18 +220,20 @@ bool widened_panels(const at::Tensor& a, const at::Tensor& b, const std::optiona
     const int64_t part_rows = ((rows_here + splits - 1) / splits + 5) / 6 * 6;
     float* sums_ptr = b_sums.defined() && i0 == 0 ? b_sums.data_ptr<float>() : nullptr;
     at::parallel_for(0, chunks * splits, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> pack(tile::kWidenedDepth * kPanelColumns);
-      std::vector<float> sums(in_place ? 0 : std::min(part_rows, rows_here) * kPanelColumns);
+      // (scratch left uninitialised: the kernel writes before it reads)
+      const auto pack = std::make_unique_for_overwrite<float[]>(tile::kWidenedDepth * kPanelColumns);
+      const int64_t stage_size = in_place ? 0 : std::min(part_rows, rows_here) * kPanelColumns;
+      const auto stage = std::make_unique_for_overwrite<float[]>(stage_size);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t j0 = (t / splits) * kPanelColumns, r0 = (t % splits) * part_rows;
         const int64_t cols = std::min(kPanelColumns, N - j0), rows = std::min(part_rows, rows_here - r0);
         if (rows <= 0) {
           continue;
         }
-        float* c = in_place ? out.data_ptr<float>() + (i0 + r0) * ld + j0 : sums.data();
+        float* c = in_place ? out.data_ptr<float>() + (i0 + r0) * ld + j0 : stage.get();
         const int64_t ldc = in_place ? ld : kPanelColumns;
         ops.widened_gemm(rows, cols, K, a_ptr + r0 * K, K, 1, b_ptr + j0 * b.stride(1), b.stride(0), b.stride(1),
-                         bias_ptr != nullptr ? bias_ptr + j0 : nullptr, c, ldc, pack.data(),
+                         bias_ptr != nullptr ? bias_ptr + j0 : nullptr, c, ldc, pack.get(),
                          sums_ptr != nullptr && r0 == 0 ? sums_ptr + j0 : nullptr);
         if (!in_place) {
           ops.store(c, ldc, rows, cols, out.data_ptr<scalar_t>() + (i0 + r0) * ld + j0, ld);

@@ -15,7 +15,7 @@ namespace causal_attention::kernels {
 // kernel packs it. Elsewhere (the DEFAULT build) the operand of the shorter outer dimension is widened
 // once, whole (float32: twice its size), the other a block of rows (or columns) at a time, for oneDNN or
 // sgemm. b_sums, where defined (float32, (N,)), receives b's column sums b.sum(0), summed from its
-// float32 widening.
+// float32 widening (by widened_gemm: in k order within each packed block, the blocks' sums in order).
 void widened_blocks(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
                     const at::Tensor& out, const at::Tensor& b_sums = at::Tensor());
 

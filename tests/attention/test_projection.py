@@ -329,6 +329,9 @@ def test_widened_addmm_sums_adds_b_column_sums(dtype: torch.dtype, M: int, K: in
     b = (torch.randn(K, N, generator=gen) * 3).to(dtype)
     out, sums = ops.widened_addmm_sums(a, b)
     assert torch.equal(out, ops.widened_addmm(a, b, None))
+    exact_product = a.double() @ b.double()
+    err = (out.double() - exact_product).abs()
+    assert bool((err <= _bound(exact_product, a.double().abs() @ b.double().abs(), K, dtype)).all())
     assert sums.dtype == torch.float32 and sums.shape == (N,)
     exact = b.double().sum(0)
     bound = K * EPS32 * b.double().abs().sum(0) + torch.finfo(torch.float32).tiny

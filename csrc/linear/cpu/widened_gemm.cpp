@@ -179,11 +179,12 @@ void block(int64_t kc, const float* a, int64_t rs_a, int64_t cs_a, const float* 
            int64_t ldc, int64_t cols, bool first, const float* bias) {
   static_assert(NP == 1);
   const __m256i m0 = lane_mask(cols), m1 = lane_mask(cols - 8);
+  const int64_t hi = cols > 8 ? 8 : 0;  // the upper half's offset (0 where it is all masked: no pointer past C)
   __m256 acc[R][2];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
     acc[r][0] = first ? _mm256_setzero_ps() : _mm256_maskload_ps(c + r * ldc, m0);
-    acc[r][1] = first ? _mm256_setzero_ps() : _mm256_maskload_ps(c + r * ldc + 8, m1);
+    acc[r][1] = first ? _mm256_setzero_ps() : _mm256_maskload_ps(c + r * ldc + hi, m1);
   }
   const float* rows[R];
   for (int r = 0; r < R; ++r) {
@@ -201,11 +202,11 @@ void block(int64_t kc, const float* a, int64_t rs_a, int64_t cs_a, const float* 
     }
   }
   const __m256 add0 = bias != nullptr ? _mm256_maskload_ps(bias, m0) : _mm256_setzero_ps();
-  const __m256 add1 = bias != nullptr ? _mm256_maskload_ps(bias + 8, m1) : _mm256_setzero_ps();
+  const __m256 add1 = bias != nullptr ? _mm256_maskload_ps(bias + hi, m1) : _mm256_setzero_ps();
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
     _mm256_maskstore_ps(c + r * ldc, m0, bias != nullptr ? _mm256_add_ps(acc[r][0], add0) : acc[r][0]);
-    _mm256_maskstore_ps(c + r * ldc + 8, m1, bias != nullptr ? _mm256_add_ps(acc[r][1], add1) : acc[r][1]);
+    _mm256_maskstore_ps(c + r * ldc + hi, m1, bias != nullptr ? _mm256_add_ps(acc[r][1], add1) : acc[r][1]);
   }
 }
 #endif
