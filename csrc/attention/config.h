@@ -11,6 +11,10 @@ inline constexpr int64_t kBlockQ = 128;     // forward
 inline constexpr int64_t kBlockK = 256;     // forward
 inline constexpr int64_t kBwdBlockQ = 128;  // backward
 inline constexpr int64_t kBwdBlockK = 128;  // backward
+// The forward packs the key panels of this many bytes of (batch, key/value head)s at a time, then runs
+// their query blocks (a wave), with at least this many query blocks per thread in a wave.
+inline constexpr int64_t kWavePanelBytes = int64_t{2} << 20;
+inline constexpr int64_t kWaveItemsPerThread = 8;
 // Tiles on the causal diagonal go in slices of this many query rows, each with only the keys its
 // rows can see, to waste less of the masked triangle.
 inline constexpr int64_t kDiagonalRows = 64;

@@ -27,6 +27,7 @@
 #include <atomic>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -276,22 +277,72 @@ class ForwardPass {
         softmax_scale_(static_cast<acc_t>(softmax_scale(rule))),
         products_(products_for<scalar_t>(g.hd)) {}
 
-  // Work items are (batch, head, query block), costing the keys the block sees, grouped by (batch,
-  // head) so that the threads share a head's key panels in cache (costliest_groups_first).
+  // Work items are (batch, head, query block), costing the keys the block sees. They run in waves of
+  // (batch, key/value head)s, the costliest first: each wave packs its heads' key panels, then runs their
+  // items grouped by (batch, head), so that the threads share a head's panels in cache
+  // (costliest_groups_first). A wave's panels fit kWavePanelBytes: they are read back from cache
+  // rather than memory, and the one buffer the waves share is small enough for malloc to reuse.
   void run() const {
-    const auto panels = pack_key_blocks();
-    const auto order = costliest_groups_first(g_.B * g_.H * g_.nq, g_.nq, [&](int64_t item) {
+    const auto cost = [&](int64_t item) {
       const int64_t b = item / (g_.H * g_.nq);
       const int64_t q0 = (item % g_.nq) * kBlockQ + g_.q_start;
       const int64_t q_end = std::min(g_.Tq, (item % g_.nq + 1) * kBlockQ) + g_.q_start;
       return std::max<int64_t>(0, std::min(q_end, summary_.key_end[b]) - first_key(q0));
-    });
-    run_items(
-        order, [&] { return ForwardWorkspace<scalar_t>(g_.hd, products_); },
-        [&](int64_t item, ForwardWorkspace<scalar_t>& ws) { query_block(item / g_.nq, item % g_.nq, panels, ws); });
+    };
+    const int64_t per_kv = g_.group * g_.nq;  // the items of a (batch, key/value head): bg * per_kv + i
+    std::vector<int64_t> kv_cost(g_.B * g_.Hkv, 0);
+    for (int64_t item = 0; item < g_.B * g_.H * g_.nq; ++item) {
+      kv_cost[item / per_kv] += cost(item);
+    }
+    const auto kv_order = costliest_first(g_.B * g_.Hkv, [&](int64_t bg) { return kv_cost[bg]; });
+    const int64_t per_wave = heads_per_wave(per_kv);
+    at::Tensor panels;  // every wave's panels, packed over the last wave's
+    std::vector<std::optional<ForwardWorkspace<scalar_t>>> workspaces(at::get_num_threads());  // by thread
+    std::vector<int64_t> wave_items;
+    for (size_t w0 = 0; w0 < kv_order.size(); w0 += per_wave) {
+      const std::vector<int64_t> wave(kv_order.begin() + w0,
+                                      kv_order.begin() + std::min<size_t>(kv_order.size(), w0 + per_wave));
+      pack_key_blocks(wave, per_wave, panels);
+      wave_items.clear();
+      for (const int64_t bg : wave) {
+        for (int64_t i = 0; i < per_kv; ++i) {
+          wave_items.push_back(bg * per_kv + i);
+        }
+      }
+      const auto order = costliest_groups_first(static_cast<int64_t>(wave_items.size()), g_.nq,
+                                                [&](int64_t i) { return cost(wave_items[i]); });
+      run_items(
+          order,
+          [&]() -> ForwardWorkspace<scalar_t>& {
+            auto& ws = workspaces.at(at::get_thread_num());
+            if (!ws.has_value()) {
+              ws.emplace(g_.hd, products_);
+            }
+            return *ws;
+          },
+          [&](int64_t i, ForwardWorkspace<scalar_t>& ws) {
+            const int64_t item = wave_items[i];
+            const int64_t slot = i / per_kv;  // the (batch, key/value head)'s place in the wave
+            query_block(item / g_.nq, item % g_.nq, panels, slot, ws);
+          });
+    }
   }
 
  private:
+  // (batch, key/value head)s per wave: as many as kWavePanelBytes holds, at least one, and enough that
+  // every thread has several items (a wave ends when its last item does).
+  int64_t heads_per_wave(int64_t per_kv) const {
+    const int64_t all = g_.B * g_.Hkv;
+    if (products_ == Products::kBlas) {
+      return all;  // nothing packed
+    }
+    const auto value_bytes = static_cast<int64_t>(products_ == Products::kPairs ? sizeof(c10::BFloat16) : sizeof(float));
+    const int64_t head_bytes = g_.nk * block_panels_size() * value_bytes;
+    const int64_t by_bytes = kWavePanelBytes / std::max<int64_t>(1, head_bytes);
+    const int64_t by_items = ceil_div(kWaveItemsPerThread * at::get_num_threads(), per_kv);
+    return std::clamp<int64_t>(std::max(by_bytes, by_items), 1, all);
+  }
+
   // The first key that a query at position q sees by the window.
   int64_t first_key(int64_t q) const { return g_.window == kNoWindow ? 0 : std::max<int64_t>(0, q - g_.window + 1); }
 
@@ -300,47 +351,50 @@ class ForwardPass {
   int64_t key_panels_size() const { return packed_size(products_, g_.hd, kBlockK); }
   int64_t block_panels_size() const { return key_panels_size() + packed_size(products_, kBlockK, g_.hd); }
 
-  // With a micro-kernel: the panels of every key block of every (batch, key/value head) with a real key that a
-  // query sees, packed in parallel once per call rather than once per query block that reads them (in float32
-  // for the float32 micro-kernel, in bfloat16 for pairs; the value panels round hd up to a panel).
-  // Undefined (no memory) where the products go to BLAS.
-  at::Tensor pack_key_blocks() const {
+  // With a micro-kernel: the panels of every key block with a real key that a query sees of the wave's
+  // (batch, key/value head)s, packed in parallel into panels (the wave's slot s at s * nk key blocks),
+  // once per wave rather than once per query block that reads them (in float32 for the float32
+  // micro-kernel, in bfloat16 for pairs; the value panels round hd up to a panel). panels is made on the
+  // first wave, sized for per_wave heads, and stays undefined (no memory) where the products go to BLAS.
+  void pack_key_blocks(const std::vector<int64_t>& wave, int64_t per_wave, at::Tensor& panels) const {
     if constexpr (std::is_same_v<acc_t, float>) {
+      const int64_t size = per_wave * g_.nk * block_panels_size();
       if (products_ == Products::kPairs) {
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-          at::Tensor buf = at::empty({g_.B * g_.Hkv * g_.nk * block_panels_size()}, at::kBFloat16);
-          scalar_t* base = buf.data_ptr<scalar_t>();
-          for_each_key_block([&](const HeadRows<scalar_t>& rows, int64_t i, int64_t k0, int64_t bk) {
+          if (!panels.defined()) {
+            panels = at::empty({size}, at::kBFloat16);
+          }
+          scalar_t* base = panels.data_ptr<scalar_t>();
+          for_each_key_block(wave, [&](const HeadRows<scalar_t>& rows, int64_t i, int64_t k0, int64_t bk) {
             scalar_t* dst = base + i * block_panels_size();
             pack_pairs(rows.k + k0 * rows.k_ld, 1, rows.k_ld, g_.hd, bk, dst);
             pack_pairs(rows.v + k0 * rows.v_ld, rows.v_ld, 1, bk, g_.hd, dst + key_panels_size());
           });
-          return buf;
         }
       }
       if (products_ == Products::kPanels) {
-        at::Tensor buf = at::empty({g_.B * g_.Hkv * g_.nk * block_panels_size()}, at::kFloat);
-        float* base = buf.data_ptr<float>();
-        for_each_key_block([&](const HeadRows<scalar_t>& rows, int64_t i, int64_t k0, int64_t bk) {
+        if (!panels.defined()) {
+          panels = at::empty({size}, at::kFloat);
+        }
+        float* base = panels.data_ptr<float>();
+        for_each_key_block(wave, [&](const HeadRows<scalar_t>& rows, int64_t i, int64_t k0, int64_t bk) {
           float* dst = base + i * block_panels_size();
           pack_transposed(rows.k + k0 * rows.k_ld, rows.k_ld, bk, g_.hd, dst);
           pack_rows(rows.v + k0 * rows.v_ld, rows.v_ld, bk, g_.hd, dst + key_panels_size());
         });
-        return buf;
       }
     }
-    return {};
   }
 
-  // f(rows, i, k0, bk) in parallel for each key block i = bg * nk + kb with a real key that a query sees:
-  // the rows of its (batch, key/value head) bg (those of the group's first query head), first key and keys
-  // up to the last real one.
+  // f(rows, i, k0, bk) in parallel for each key block i = slot * nk + kb of the wave's (batch, key/value head)
+  // bg = wave[slot] with a real key that a query sees: the rows of bg (those of the group's first query head),
+  // first key and keys up to the last real one.
   template <typename F>
-  void for_each_key_block(const F& f) const {
+  void for_each_key_block(const std::vector<int64_t>& wave, const F& f) const {
     const int64_t first = first_key(g_.q_start);
-    at::parallel_for(0, g_.B * g_.Hkv * g_.nk, 1, [&](int64_t i0, int64_t i1) {
+    at::parallel_for(0, static_cast<int64_t>(wave.size()) * g_.nk, 1, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t bg = i / g_.nk;
+        const int64_t bg = wave[i / g_.nk];
         const int64_t b = bg / g_.Hkv;
         const int64_t k0 = (i % g_.nk) * kBlockK;
         if (summary_.status[b * g_.nk + i % g_.nk] == kNoneReal || k0 >= summary_.key_end[b] ||
@@ -353,22 +407,24 @@ class ForwardPass {
     });
   }
 
-  // The panels of key block kb of (batch, key/value head) bg in pack_key_blocks' buffer (empty when undefined).
-  KeyBlockPanels<acc_t> block_panels(const at::Tensor& panels, int64_t bg, int64_t kb, int64_t bk) const {
+  // The panels of key block kb of the wave's slot in pack_key_blocks' buffer (empty when undefined).
+  KeyBlockPanels<acc_t> block_panels(const at::Tensor& panels, int64_t slot, int64_t kb, int64_t bk) const {
     if (!panels.defined()) {
       return {};
     }
     if (products_ == Products::kPairs) {
       const auto* block =
-          static_cast<const c10::BFloat16*>(panels.const_data_ptr()) + (bg * g_.nk + kb) * block_panels_size();
+          static_cast<const c10::BFloat16*>(panels.const_data_ptr()) + (slot * g_.nk + kb) * block_panels_size();
       return {{nullptr, g_.hd, block}, {nullptr, bk, block + key_panels_size()}, {}};
     }
-    const acc_t* block = panels.const_data_ptr<acc_t>() + (bg * g_.nk + kb) * block_panels_size();
+    const acc_t* block = panels.const_data_ptr<acc_t>() + (slot * g_.nk + kb) * block_panels_size();
     return {{block, g_.hd}, {block + key_panels_size(), bk}, {}};
   }
 
-  // Query block qb of (batch, head) bh against every key block it may see.
-  void query_block(int64_t bh, int64_t qb, const at::Tensor& panels, ForwardWorkspace<scalar_t>& ws) const {
+  // Query block qb of (batch, head) bh against every key block it may see; its key/value head's panels
+  // are at slot of the wave's.
+  void query_block(int64_t bh, int64_t qb, const at::Tensor& panels, int64_t slot,
+                   ForwardWorkspace<scalar_t>& ws) const {
     const int64_t b = bh / g_.H;
     const int64_t h = bh % g_.H;
     const HeadRows<scalar_t> rows(in_, g_, b, h);
@@ -389,7 +445,7 @@ class ForwardPass {
       const int64_t k0 = kb * kBlockK;
       const bool* key_mask = (st == kMixed) ? summary_.mask + b * g_.Tk + k0 : nullptr;
       const int64_t packed = std::min(summary_.key_end[b], k0 + kBlockK) - k0;
-      const auto block = block_panels(panels, b * g_.Hkv + h / g_.group, kb, packed);
+      const auto block = block_panels(panels, slot, kb, packed);
       causal_tiles(qp, bq, k0, std::min(k_stop, k0 + kBlockK) - k0, [&](int64_t r0, int64_t r1, int64_t cols) {
         tile(rows, q_block, bh, qp + r0, r0, r1 - r0, k0, pair_cols(products_, cols, packed), key_mask, block, ws);
       });

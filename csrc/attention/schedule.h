@@ -18,12 +18,13 @@ namespace causal_attention::kernels {
 // padding, sequences cost very different amounts (a static split of the items gave one thread
 // most of the long sequences); items write disjoint outputs, so the result does not depend on
 // which thread ran which.
+// make_ws may also hand back a reference to a workspace that outlives the call (one per thread).
 template <typename MakeWorkspace, typename Work>
 void run_items(const std::vector<int64_t>& order, const MakeWorkspace& make_ws, const Work& work) {
   std::atomic<int64_t> next{0};
   const auto n = static_cast<int64_t>(order.size());
   at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    auto ws = make_ws();
+    decltype(auto) ws = make_ws();
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
       work(order[i], ws);
     }

@@ -100,6 +100,33 @@ def test_forward_equals_multi_head_with_each_head_its_own_copy_bit_for_bit(dtype
     assert torch.equal(out, out_mha) and torch.equal(lse, lse_mha)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_forward_in_waves_of_key_panels(dtype: torch.dtype) -> None:
+    """The forward packs the key panels of a few (batch, key/value head)s at a time (2 MB of them, a
+    wave) and runs their queries: at T = 1100 and head_dim 64 three heads fit a wave, so GQA's 4 and the
+    multi-head copy's 12 heads take 2 and 4 waves, the heads ordered by their padded lengths. Each query
+    head must read its own key/value head's panels: outputs equal the copy's bit for bit, the float64
+    reference within the dtype's rounding, and the same bits on 1 and 3 threads (other waves)."""
+    H, Hkv, hd, B, T = 6, 2, 64, 2, 1100
+    qkv = _qkv(B, T, H, Hkv, hd, dtype).detach()
+    mask = torch.arange(T)[None, :] < torch.tensor([[700], [T]])  # the second sequence's heads go first
+    q, k, v = qkv.split([H * hd, Hkv * hd, Hkv * hd], dim=2)
+    repeat = lambda t: t.unflatten(2, (Hkv, hd)).repeat_interleave(H // Hkv, dim=2).flatten(2)  # noqa: E731
+    mha = torch.cat([q, repeat(k), repeat(v)], dim=2)
+    out, lse = torch.ops.causal_attention.attention_forward(qkv, mask, H, n_kv_heads=Hkv)
+    out_mha, lse_mha = torch.ops.causal_attention.attention_forward(mha, mask, H)
+    assert torch.equal(out, out_mha) and torch.equal(lse, lse_mha)
+    exact = reference.attention_core(qkv.double(), mask, H, n_kv_heads=Hkv)[0]
+    assert rel_err(out, exact) <= (1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(torch.ops.causal_attention.attention_forward(qkv, mask, H, n_kv_heads=Hkv)[0], out)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_n_kv_heads_equal_to_n_heads_is_the_multi_head_kernel_bit_for_bit() -> None:
     qkv = _qkv(2, 130, 4, 4, 24, torch.float32)
     mask = make_mask("right", 2, 130)
