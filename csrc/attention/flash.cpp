@@ -336,7 +336,8 @@ class ForwardPass {
     if (products_ == Products::kBlas) {
       return all;  // nothing packed
     }
-    const auto value_bytes = static_cast<int64_t>(products_ == Products::kPairs ? sizeof(c10::BFloat16) : sizeof(float));
+    const auto value_bytes =
+        static_cast<int64_t>(products_ == Products::kPairs ? sizeof(c10::BFloat16) : sizeof(float));
     const int64_t head_bytes = g_.nk * block_panels_size() * value_bytes;
     const int64_t by_bytes = kWavePanelBytes / std::max<int64_t>(1, head_bytes);
     const int64_t by_items = ceil_div(kWaveItemsPerThread * at::get_num_threads(), per_kv);
