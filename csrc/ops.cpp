@@ -30,6 +30,7 @@
 //   cache_end(lengths, key_padding_mask, new_tokens, max_len) -> end    checks a cache step
 //   cache_zeros(size, dtype, device=None) -> zeros                     a KV cache buffer, on the CPU on huge pages
 //   advise_huge_pages(tensor) -> bytes                                 a CPU tensor's memory onto huge pages, in place
+//   huge_page_empty(size, dtype) -> tensor                             uninitialised CPU memory for weights, huge pages
 //
 // On CPU, `attention` runs the fused kernels with a C++ autograd function (the C++ module's path);
 // on other devices it is the ATen composition (kernels::attention_composite). The Python front
@@ -336,6 +337,7 @@ TORCH_LIBRARY(causal_attention, m) {
   m.def("float32_products() -> str");
   m.def("cache_zeros(int[] size, ScalarType dtype, Device? device=None) -> Tensor");
   m.def("advise_huge_pages(Tensor tensor) -> int");
+  m.def("huge_page_empty(int[] size, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(causal_attention, Autograd, m) {
@@ -361,6 +363,7 @@ TORCH_LIBRARY_IMPL(causal_attention, CompositeExplicitAutograd, m) {
   m.impl("mask_to_bool", &mask_to_bool);
   m.impl("cache_end", &cache_end);
   m.impl("cache_zeros", &kernels::cache_zeros);
+  m.impl("huge_page_empty", &kernels::huge_page_empty);
   m.impl("project", &kernels::project_no_autograd);
 }
 

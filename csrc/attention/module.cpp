@@ -2,6 +2,7 @@
 
 #include "causal_attention/attention.h"
 #include "config.h"
+#include "memory/parameters.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
@@ -87,8 +88,8 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const CausalSelfAttentionOption
       dropout_(checked_dropout(options.dropout())),
       bias_(options.bias()) {
   const int64_t width = (n_heads_ + 2 * n_kv_heads()) * head_dim();  // q | k | v
-  qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(dim_, width).bias(bias_)));
-  proj = register_module("proj", torch::nn::Linear(torch::nn::LinearOptions(dim_, dim_).bias(bias_)));
+  qkv = register_module("qkv", detail::make_linear(dim_, width, bias_, options.dtype(), options.init()));
+  proj = register_module("proj", detail::make_linear(dim_, dim_, bias_, options.dtype(), options.init()));
 }
 
 void CausalSelfAttentionImpl::check_x(const at::Tensor& x) const {

@@ -95,7 +95,7 @@ at::DataPtr map_huge(size_t n, size_t huge) {
   const size_t bytes = round_up(n, static_cast<size_t>(sysconf(_SC_PAGESIZE)));
   // A huge page more than asked, then the ends trimmed: what is left starts at a huge-page boundary.
   void* raw = mmap(nullptr, bytes + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  TORCH_CHECK(raw != MAP_FAILED, "KV cache: could not map ", n, " bytes (", std::strerror(errno), ")");
+  TORCH_CHECK(raw != MAP_FAILED, "could not map ", n, " bytes for huge pages (", std::strerror(errno), ")");
   const auto start = reinterpret_cast<uintptr_t>(raw);
   const uintptr_t aligned = (start + huge - 1) & ~(uintptr_t{huge} - 1);
   if (aligned > start) {
@@ -129,7 +129,7 @@ class HugePageAllocator final : public at::Allocator {
     return map_huge(n, huge_page_bytes());
 #else
     void* p = std::aligned_alloc(kDefaultHugePage, round_up(n, kDefaultHugePage));
-    TORCH_CHECK(p != nullptr, "KV cache: could not allocate ", n, " bytes");
+    TORCH_CHECK(p != nullptr, "could not allocate ", n, " bytes for huge pages");
     return {p, p, &release, at::Device(at::kCPU)};
 #endif
   }
@@ -139,27 +139,38 @@ class HugePageAllocator final : public at::Allocator {
 
 }  // namespace
 
-at::Tensor cache_zeros(at::IntArrayRef size, at::ScalarType dtype, std::optional<at::Device> device) {
-  if (device.has_value() && !device->is_cpu()) {
-    return at::zeros(size, at::TensorOptions().dtype(dtype).device(*device));
-  }
+namespace {
+
+// huge_page_empty's memory; errors name caller.
+at::Tensor empty_on_huge_pages(at::IntArrayRef size, at::ScalarType dtype, const char* caller) {
   for (const int64_t s : size) {
-    TORCH_CHECK_VALUE(s >= 0, "cache_zeros: size must be non-negative; got ", size);
+    TORCH_CHECK_VALUE(s >= 0, caller, ": size must be non-negative; got ", size);
   }
   uint64_t numel = 0;
   uint64_t bytes = 0;
   TORCH_CHECK_VALUE(!c10::safe_multiplies_u64(size, &numel) &&
                         !c10::mul_overflows(numel, static_cast<uint64_t>(c10::elementSize(dtype)), &bytes),
-                    "cache_zeros: size ", size, " of ", dtype, " overflows a byte count");
-  const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
+                    caller, ": size ", size, " of ", dtype, " overflows a byte count");
   // Below a huge page the advice has nothing to act on: torch's own allocation.
   if (bytes < huge_page_bytes()) {
-    return at::zeros(size, options);
+    return at::empty(size, at::TensorOptions().dtype(dtype).device(at::kCPU));
   }
   static HugePageAllocator allocator;  // stateless (see above)
-  at::Tensor out = at::detail::empty_generic(size, &allocator, c10::DispatchKeySet(c10::DispatchKey::CPU), dtype,
-                                             std::nullopt);
-  return out.zero_();  // the first touch: the pages are made here, huge where the advice took
+  return at::detail::empty_generic(size, &allocator, c10::DispatchKeySet(c10::DispatchKey::CPU), dtype, std::nullopt);
+}
+
+}  // namespace
+
+at::Tensor huge_page_empty(at::IntArrayRef size, at::ScalarType dtype) {
+  return empty_on_huge_pages(size, dtype, "huge_page_empty");
+}
+
+at::Tensor cache_zeros(at::IntArrayRef size, at::ScalarType dtype, std::optional<at::Device> device) {
+  if (device.has_value() && !device->is_cpu()) {
+    return at::zeros(size, at::TensorOptions().dtype(dtype).device(*device));
+  }
+  // The first touch: the pages are made here, huge where the advice took.
+  return empty_on_huge_pages(size, dtype, "cache_zeros").zero_();
 }
 
 int64_t advise_huge_pages(const at::Tensor& tensor) {

@@ -3,6 +3,7 @@
 #include "causal_attention/attention.h"
 #include "causal_attention/safetensors.h"
 #include "checkpoint.h"
+#include "memory/parameters.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -376,10 +377,11 @@ at::Tensor LayerNormImpl::forward(const at::Tensor& x) {
   return at::layer_norm(x, {dim_}, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, eps_);
 }
 
-GatedMLPImpl::GatedMLPImpl(const GPTConfig& config) : hidden_(config.hidden()), silu_(config.activation == "silu") {
+GatedMLPImpl::GatedMLPImpl(const GPTConfig& config, at::ScalarType dtype, Init init)
+    : hidden_(config.hidden()), silu_(config.activation == "silu") {
   const bool bias = config.mlp_has_bias();
-  gate_up = register_module("gate_up", torch::nn::Linear(torch::nn::LinearOptions(config.dim, 2 * hidden_).bias(bias)));
-  down = register_module("down", torch::nn::Linear(torch::nn::LinearOptions(hidden_, config.dim).bias(bias)));
+  gate_up = register_module("gate_up", detail::make_linear(config.dim, 2 * hidden_, bias, dtype, init));
+  down = register_module("down", detail::make_linear(hidden_, config.dim, bias, dtype, init));
   drop = register_module("drop", torch::nn::Dropout(config.resid_dropout));
   approximate_ = config.activation == "gelu_tanh" ? "tanh" : "none";
 }
@@ -441,33 +443,41 @@ at::Tensor inverse_frequencies(const GPTConfig& config) {
   return at::where(medium, smoothed, scaled).to(at::kFloat);
 }
 
-BlockImpl::BlockImpl(const GPTConfig& config) : n_kv_heads_(config.n_kv_heads), window_(config.sliding_window) {
+BlockImpl::BlockImpl(const GPTConfig& config, at::ScalarType dtype, Init init)
+    : n_kv_heads_(config.n_kv_heads), window_(config.sliding_window) {
   config.validate();
   const bool rms = config.norm == "rmsnorm";
-  ln1 = register_module("ln1", LayerNorm(config.dim, config.layer_norm_eps, config.bias, rms));
+  const auto norm = [&] {
+    LayerNorm ln(config.dim, config.layer_norm_eps, config.bias, rms);
+    ln->to(dtype);
+    return ln;
+  };
+  ln1 = register_module("ln1", norm());
   attn = register_module("attn", CausalSelfAttention(CausalSelfAttentionOptions(config.dim, config.n_heads)
                                                          .dropout(config.attn_dropout)
                                                          .bias(config.qkv_has_bias())
-                                                         .n_kv_heads(config.n_kv_heads)));
+                                                         .n_kv_heads(config.n_kv_heads)
+                                                         .dtype(dtype)
+                                                         .init(init)));
   if (config.proj_has_bias() != config.qkv_has_bias()) {
     attn->proj = attn->replace_module(
-        "proj", torch::nn::Linear(torch::nn::LinearOptions(config.dim, config.dim).bias(config.proj_has_bias())));
+        "proj", detail::make_linear(config.dim, config.dim, config.proj_has_bias(), dtype, init));
   }
   attn_drop = register_module("attn_drop", torch::nn::Dropout(config.resid_dropout));
-  ln2 = register_module("ln2", LayerNorm(config.dim, config.layer_norm_eps, config.bias, rms));
+  ln2 = register_module("ln2", norm());
   if (config.gated_mlp) {
-    gated = register_module("mlp", GatedMLP(config));
+    gated = register_module("mlp", GatedMLP(config, dtype, init));
     return;
   }
   const bool bias = config.mlp_has_bias();
   const auto approximate = config.activation == "gelu_tanh" ? "tanh" : "none";
-  torch::nn::Sequential layers(torch::nn::Linear(torch::nn::LinearOptions(config.dim, config.hidden()).bias(bias)));
+  torch::nn::Sequential layers(detail::make_linear(config.dim, config.hidden(), bias, dtype, init));
   if (config.activation == "silu") {
     layers->push_back(torch::nn::SiLU());
   } else {
     layers->push_back(torch::nn::GELU(torch::nn::GELUOptions().approximate(approximate)));
   }
-  layers->push_back(torch::nn::Linear(torch::nn::LinearOptions(config.hidden(), config.dim).bias(bias)));
+  layers->push_back(detail::make_linear(config.hidden(), config.dim, bias, dtype, init));
   layers->push_back(torch::nn::Dropout(config.resid_dropout));
   mlp = register_module("mlp", layers);
 }
@@ -579,31 +589,30 @@ at::Tensor BlockImpl::forward(const at::Tensor& x, const std::optional<at::Tenso
   return h + mlp_of(ln2->forward(h), true);
 }
 
-GPTImpl::GPTImpl(GPTConfig config, std::optional<at::ScalarType> dtype) : config_(std::move(config)) {
+GPTImpl::GPTImpl(GPTConfig config, std::optional<at::ScalarType> dtype, Init init) : config_(std::move(config)) {
   config_.validate();
-  // With dtype, each module takes it as soon as it is built: a float32 twin of one module at a time.
-  const auto in_dtype = [&](auto module) {
-    if (dtype.has_value()) module->to(*dtype);
-    return module;
-  };
-  tok = register_module("tok", in_dtype(torch::nn::Embedding(config_.vocab_size, config_.dim)));
+  // Each module in dtype as it is built: a float32 twin of one module at a time, at most.
+  const auto type = dtype.value_or(at::kFloat);
+  tok = register_module("tok", detail::make_embedding(config_.vocab_size, config_.dim, type, init));
   if (config_.positions == "learned") {
-    pos = register_module("pos", in_dtype(torch::nn::Embedding(config_.max_len, config_.dim)));
+    pos = register_module("pos", detail::make_embedding(config_.max_len, config_.dim, type, init));
   } else {
     inv_freq_ = inverse_frequencies(config_);
   }
   drop = register_module("drop", torch::nn::Dropout(config_.embd_dropout));
   blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < config_.n_layers; ++i) blocks->push_back(in_dtype(Block(config_)));
-  ln_f = register_module("ln_f", in_dtype(LayerNorm(config_.dim, config_.layer_norm_eps, config_.bias,
-                                                    config_.norm == "rmsnorm")));
+  for (int64_t i = 0; i < config_.n_layers; ++i) blocks->push_back(Block(config_, type, init));
+  ln_f = register_module("ln_f", LayerNorm(config_.dim, config_.layer_norm_eps, config_.bias,
+                                           config_.norm == "rmsnorm"));
+  ln_f->to(type);
   if (!config_.tie_head) {
-    head = register_module(
-        "head", in_dtype(torch::nn::Linear(torch::nn::LinearOptions(config_.dim, config_.vocab_size).bias(false))));
+    head = register_module("head", detail::make_linear(config_.dim, config_.vocab_size, false, type, init));
   }
-  torch::NoGradGuard no_grad;
-  torch::nn::init::normal_(tok->weight, 0.0, 0.02);
-  if (pos) torch::nn::init::normal_(pos->weight, 0.0, 0.02);
+  if (init == Init::kRandom) {
+    torch::NoGradGuard no_grad;
+    torch::nn::init::normal_(tok->weight, 0.0, 0.02);
+    if (pos) torch::nn::init::normal_(pos->weight, 0.0, 0.02);
+  }
 }
 
 at::Tensor GPTImpl::head_weight() const { return config_.tie_head ? tok->weight : head->weight; }

@@ -554,7 +554,7 @@ GPT load_huggingface(const std::filesystem::path& directory, const std::string& 
   const auto dtype = check_headers(config, naming, shards, config_source);
   if (!llama) check_mask_buffers(naming, shards);
 
-  GPT model(config, dtype);
+  GPT model(config, dtype, Init::kSkip);  // every parameter read below
   torch::NoGradGuard no_grad;
   for (auto& param : model->named_parameters()) {
     const auto& target = param.value();  // contiguous: each part is read straight into its rows
@@ -570,6 +570,8 @@ GPT load_huggingface(const std::filesystem::path& directory, const std::string& 
       }
       row += part.rows;
     }
+    TORCH_CHECK(row == shape.front(), "load_huggingface: the checkpoint's parts of '", param.key(),
+                "' fill ", row, " of its ", shape, " rows");  // the rest would be uninitialised
   }
   if (config.tie_head && shards.contains("lm_head.weight")) {
     const auto head = shards.file("lm_head.weight").read("lm_head.weight").to(model->tok->weight.scalar_type());

@@ -272,7 +272,7 @@ GPT load_gpt(const std::filesystem::path& directory) {
   const SafetensorsFile file(weights_path);
   const auto dtype = check_header(config, file, config_path.string());
 
-  GPT model(config, dtype);
+  GPT model(config, dtype, Init::kSkip);  // every parameter read below
   torch::NoGradGuard no_grad;
   for (auto& param : model->named_parameters()) {
     const auto value = file.read(param.key());

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 
 #include "causal_attention/attention.h"
@@ -208,6 +209,43 @@ TEST(GPT, BuiltInADtype) {
   for (const auto& p : half->named_parameters()) {
     EXPECT_EQ(p.value().scalar_type(), torch::kBFloat16) << p.key();
     EXPECT_EQ(p.value().sizes(), want[p.key()].sizes()) << p.key();
+  }
+  // Drawn in float32, then converted (the embeddings' last draw is made in dtype).
+  torch::manual_seed(12);
+  GPT half_again(config, torch::kBFloat16);
+  torch::manual_seed(12);
+  GPT float_again(config);
+  for (const auto& p : half_again->named_parameters()) {
+    if (p.key() == "tok.weight" || p.key() == "pos.weight") continue;
+    EXPECT_TRUE(torch::equal(p.value(), float_again->named_parameters()[p.key()].to(torch::kBFloat16))) << p.key();
+  }
+}
+
+// GPT(config, dtype, Init::kSkip), load_gpt's: nothing drawn from the generator, every parameter
+// there in dtype (uninitialised), the modules' options as GPT(config, dtype)'s.
+TEST(GPT, SkippedInitialisationDrawsNothing) {
+  for (const bool gated : {false, true}) {
+    auto config = small_config(true, false);
+    if (gated) {
+      config.gated_mlp = true;
+      config.activation = "silu";
+    }
+    GPT plain(config, torch::kHalf);
+    torch::manual_seed(31);
+    GPT skipped(config, torch::kHalf, causal_attention::Init::kSkip);
+    const auto drawn_after = torch::randn({8});
+    torch::manual_seed(31);
+    EXPECT_TRUE(torch::equal(drawn_after, torch::randn({8}))) << "Init::kSkip drew from the generator";
+    const auto want = plain->named_parameters();
+    ASSERT_EQ(skipped->named_parameters().size(), want.size());
+    for (const auto& p : skipped->named_parameters()) {
+      EXPECT_EQ(p.value().scalar_type(), torch::kHalf) << p.key();
+      EXPECT_EQ(p.value().sizes(), want[p.key()].sizes()) << p.key();
+    }
+    std::ostringstream printed_plain, printed_skipped;  // Linear and Embedding options
+    printed_plain << *plain;
+    printed_skipped << *skipped;
+    EXPECT_EQ(printed_skipped.str(), printed_plain.str());
   }
 }
 

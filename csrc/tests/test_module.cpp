@@ -561,3 +561,65 @@ TEST(GroupedQuery, HeadCountsThatDoNotDivideAreNamed) {
       },
       c10::ValueError);
 }
+
+// The options' dtype and init: the parameters in dtype, drawn as in float32 and converted; with
+// Init::kSkip nothing is drawn from the generator, the same parameters are there, uninitialised.
+TEST(Parameters, DtypeAndSkippedInitialisation) {
+  using causal_attention::CausalSelfAttentionOptions;
+  using causal_attention::Init;
+  const auto options = CausalSelfAttentionOptions(64, 8).n_kv_heads(2);
+  torch::manual_seed(21);
+  CausalSelfAttention plain(options);
+  torch::manual_seed(21);
+  CausalSelfAttention half(CausalSelfAttentionOptions(options).dtype(torch::kBFloat16));
+  for (const auto& p : plain->named_parameters()) {
+    const auto& h = half->named_parameters()[p.key()];
+    EXPECT_EQ(h.scalar_type(), torch::kBFloat16) << p.key();
+    EXPECT_TRUE(torch::equal(h, p.value().to(torch::kBFloat16))) << p.key();
+  }
+
+  torch::manual_seed(22);
+  CausalSelfAttention skipped(CausalSelfAttentionOptions(options).dtype(torch::kHalf).init(Init::kSkip));
+  const auto drawn_after = torch::randn({8});
+  torch::manual_seed(22);
+  EXPECT_TRUE(torch::equal(drawn_after, torch::randn({8}))) << "Init::kSkip drew from the generator";
+  ASSERT_EQ(skipped->named_parameters().size(), plain->named_parameters().size());
+  for (const auto& p : plain->named_parameters()) {
+    const auto& s = skipped->named_parameters()[p.key()];
+    EXPECT_EQ(s.scalar_type(), torch::kHalf) << p.key();
+    EXPECT_EQ(s.sizes(), p.value().sizes()) << p.key();
+    EXPECT_TRUE(s.requires_grad()) << p.key();
+  }
+  std::ostringstream printed_plain, printed_skipped;  // the Linears' options: in and out features
+  printed_plain << *plain;
+  printed_skipped << *skipped;
+  EXPECT_EQ(printed_skipped.str(), printed_plain.str());
+  // Filled, it is the layer.
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : plain->named_parameters()) skipped->named_parameters()[p.key()].copy_(p.value());
+  }
+  const auto x = torch::randn({2, 5, 64});
+  EXPECT_TRUE(torch::allclose(skipped->forward(x.to(torch::kHalf)).to(torch::kFloat), plain->forward(x), 1e-2, 1e-2));
+
+  const auto message = error_of([&] { CausalSelfAttention(CausalSelfAttentionOptions(options).dtype(torch::kLong)); });
+  EXPECT_NE(message.find("dtype must be a floating-point type; got Long"), std::string::npos) << message;
+}
+
+// Weights of a huge page or more get memory of their own from a huge-page boundary.
+TEST(Parameters, SkippedInitialisationPutsLargeWeightsOnHugePageMemory) {
+  namespace kernels = causal_attention::kernels;
+  const auto weight = kernels::huge_page_empty({1024, 1024}, torch::kFloat);  // 4 MB
+  EXPECT_EQ(weight.sizes(), torch::IntArrayRef({1024, 1024}));
+#if defined(__linux__)
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(weight.data_ptr()) % (uintptr_t{2} << 20), 0u);
+#endif
+  EXPECT_EQ(kernels::huge_page_empty({3, 5}, torch::kHalf).sizes(), torch::IntArrayRef({3, 5}));
+  EXPECT_NE(error_of([] { kernels::huge_page_empty({2, -1}, torch::kFloat); }).find("huge_page_empty: size must be"),
+            std::string::npos);
+  CausalSelfAttention attn(
+      causal_attention::CausalSelfAttentionOptions(1024, 8).init(causal_attention::Init::kSkip));  // qkv: 12 MB
+#if defined(__linux__)
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(attn->qkv->weight.data_ptr()) % (uintptr_t{2} << 20), 0u);
+#endif
+}

@@ -694,6 +694,30 @@ def test_save_load_round_trip_is_bitwise(tmp_path, overrides, dtype):
     states_equal(back.state_dict(), model.state_dict())
 
 
+def test_load_allocates_huge_page_memory_and_draws_nothing(tmp_path):
+    """GPT.load builds the model empty: nothing drawn from the generator, no torch._dynamo imported
+    (normal_ on the meta device would), each weight of a huge page or more on memory of its own from a
+    huge-page boundary (make_caches then has nothing to copy), and the values the file holds."""
+    config = GPTConfig(vocab_size=9000, max_len=24, dim=64, n_layers=1, n_heads=4, mlp_hidden=80)  # tok: 2.2 MB
+    model = perturb_(GPT(config), 0.05)
+    model.save(tmp_path / "run")
+    script = f"""
+import sys, torch
+from causal_attention.models import GPT
+torch.manual_seed(3)
+back = GPT.load({str(tmp_path / "run")!r})
+drawn = torch.randn(4)
+torch.manual_seed(3)
+assert torch.equal(drawn, torch.randn(4)), "GPT.load drew from the generator"
+assert "torch._dynamo" not in sys.modules, "GPT.load imported torch._dynamo"
+assert back.tok.weight.data_ptr() % (2 << 20) == 0, hex(back.tok.weight.data_ptr())
+torch.save(back.state_dict(), {str(tmp_path / "state.pt")!r})
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    states_equal(torch.load(tmp_path / "state.pt"), model.state_dict())
+
+
 def test_load_errors_name_the_file_or_tensor(tmp_path):
     from safetensors.torch import load_file, save_file
 

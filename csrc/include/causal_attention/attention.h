@@ -213,6 +213,11 @@ at::Tensor few_rows_linear_cpu(const at::Tensor& x, const at::Tensor& weight, co
 // arguments with device=meta.)
 at::Tensor cache_zeros(at::IntArrayRef size, at::ScalarType dtype, std::optional<at::Device> device = std::nullopt);
 
+// An uninitialised CPU tensor on memory as cache_zeros's (smaller than a huge page: torch's own), for
+// weights a loader fills at once: their first touch makes the huge pages, with no copy afterwards
+// (advise_huge_pages then finds them there).
+at::Tensor huge_page_empty(at::IntArrayRef size, at::ScalarType dtype);
+
 // Moves the whole transparent huge pages inside a CPU tensor's storage onto huge pages, in place
 // (Linux: madvise MADV_HUGEPAGE, then MADV_COLLAPSE a huge page at a time, Linux 6.1 and later):
 // the values, the address and the tensor stay as they are; the memory around the storage is not

@@ -98,7 +98,8 @@ TORCH_MODULE(LayerNorm);
 // rows (each weight streamed once by few_rows_linear), else the products by project.
 class GatedMLPImpl : public torch::nn::Module {
  public:
-  explicit GatedMLPImpl(const GPTConfig& config);
+  // dtype, init: the parameters' (CausalSelfAttentionOptions's).
+  explicit GatedMLPImpl(const GPTConfig& config, at::ScalarType dtype = at::kFloat, Init init = Init::kRandom);
   at::Tensor forward(const at::Tensor& x, bool step = false);
   torch::nn::Linear gate_up{nullptr}, down{nullptr};
   torch::nn::Dropout drop{nullptr};
@@ -125,7 +126,8 @@ at::Tensor inverse_frequencies(const GPTConfig& config);
 // Pre-LayerNorm block: x + drop(attn(ln1(x))), then x + mlp(ln2(x)) (mlp: Linear, GELU, Linear, Dropout).
 class BlockImpl : public torch::nn::Module {
  public:
-  explicit BlockImpl(const GPTConfig& config);
+  // dtype, init: the parameters' (CausalSelfAttentionOptions's).
+  explicit BlockImpl(const GPTConfig& config, at::ScalarType dtype = at::kFloat, Init init = Init::kRandom);
   at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& mask);
   at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& mask, KVCache& cache);
   // A rotary or sliding-window model's block, projection by projection: rotary holds cos and sin
@@ -178,7 +180,9 @@ class GPTImpl : public torch::nn::Module {
  public:
   // dtype: the parameters' (none: float32), each module converted as it is built, so that a loader
   // of a half model never holds the whole model in float32 (initial values are drawn in float32).
-  explicit GPTImpl(GPTConfig config, std::optional<at::ScalarType> dtype = std::nullopt);
+  // init: Init::kSkip leaves every parameter uninitialised, in dtype, drawing nothing (load_gpt's,
+  // which overwrites them all).
+  explicit GPTImpl(GPTConfig config, std::optional<at::ScalarType> dtype = std::nullopt, Init init = Init::kRandom);
 
   // tokens (B, T) int64/int32, key_padding_mask (B, T) bool or 0/1 (True = real) -> logits (B, T, V),
   // zero at padding positions (as the Python forward).

@@ -33,6 +33,12 @@ struct KVCache {
   at::Tensor k, v, lengths;
 };
 
+// What a module's constructor writes into its parameters: torch's initialisation (kRandom, drawn
+// from the default generator), or nothing (kSkip, as torch.nn.utils.skip_init: memory of the
+// parameters' dtype left uninitialised, on huge pages where a tensor spans one, and no draw from the
+// generator), for a loader that overwrites every parameter (load_gpt).
+enum class Init { kRandom, kSkip };
+
 // The layer's options, as the Python keywords: dim, n_heads, then dropout (see below), bias
 // (False: qkv and proj are Linear layers without bias, nanoGPT's bias=False; the state holds
 // qkv.weight and proj.weight only) and n_kv_heads (grouped-query attention: a divisor of n_heads, the
@@ -45,6 +51,8 @@ struct CausalSelfAttentionOptions {
   TORCH_ARG(double, dropout) = 0.0;
   TORCH_ARG(bool, bias) = true;
   TORCH_ARG(std::optional<int64_t>, n_kv_heads) = std::nullopt;
+  TORCH_ARG(at::ScalarType, dtype) = at::kFloat;  // the parameters' (a random start is drawn in float32)
+  TORCH_ARG(Init, init) = Init::kRandom;
 };
 
 class CausalSelfAttentionImpl : public torch::nn::Module {

@@ -35,6 +35,18 @@ def cache_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return torch.ops.causal_attention.cache_zeros(list(shape), dtype, where)
 
 
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """Uninitialised CPU memory of shape for weights a loader fills at once, by the engine's
+    huge_page_empty: on huge pages where it spans one, so that the loader's writes make them and
+    make_caches has nothing to move (advise_huge_pages copies pages already made). Without the engine,
+    torch.empty."""
+    from . import _ops
+
+    if not _ops.core_loaded():
+        return torch.empty(shape, dtype=dtype, device="cpu")
+    return torch.ops.causal_attention.huge_page_empty(list(shape), dtype)
+
+
 def advise_huge_pages(tensors: Tensor | Iterable[Tensor]) -> int:
     """Moves the whole huge pages inside each CPU tensor's memory onto huge pages, in place, by the
     engine's advise_huge_pages (Linux 6.1 and later): the values, the addresses and the tensors stay

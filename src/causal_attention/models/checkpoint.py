@@ -73,10 +73,18 @@ def save(model: nn.Module, directory: Path) -> None:
 
 def build_empty(model_type: Callable[[GPTConfig], nn.Module], config: GPTConfig, dtype: torch.dtype) -> nn.Module:
     """model_type(config) in dtype with uninitialised parameters, for a loader that fills every one:
-    built on the meta device, then given CPU memory in dtype (no float32 twin of a half model, no init)."""
+    built on the meta device, then given CPU memory in dtype (no float32 twin of a half model, no
+    init), on huge pages where a tensor spans one (huge_page_empty: a decode step streams them)."""
+    from ..attention.cache import huge_page_empty
+
     with torch.device("meta"):
-        model = model_type(config)
-    return model.to(dtype).to_empty(device="cpu")
+        model = model_type(config).to(dtype)
+    for module in model.modules():  # as to_empty(device="cpu"), with the engine's allocation
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(huge_page_empty(tuple(p.shape), p.dtype), requires_grad=p.requires_grad))
+    if any(b.is_meta for b in model.buffers()):  # GPT keeps none (its rotary frequencies are made on the CPU)
+        raise TypeError(f"build_empty: {type(model).__name__} has buffers on the meta device; it fills parameters only")
+    return model
 
 
 def load(directory: Path, model_type: Callable[[GPTConfig], nn.Module]) -> nn.Module:

@@ -206,8 +206,15 @@ class GPT(nn.Module):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a GPTConfig; got {type(config).__name__}")
         self.config = config
-        self.tok = nn.Embedding(config.vocab_size, config.dim)
-        self.pos = nn.Embedding(config.max_len, config.dim) if config.positions == "learned" else None
+        # Built on the meta device (build_empty), the embeddings draw nothing: normal_ on a meta tensor
+        # imports torch._dynamo, a second of a loader's start-up.
+        meta = torch.empty(0).is_meta
+
+        def embedding(count: int) -> nn.Embedding:
+            return nn.Embedding(count, config.dim, _weight=torch.empty(count, config.dim) if meta else None)
+
+        self.tok = embedding(config.vocab_size)
+        self.pos = embedding(config.max_len) if config.positions == "learned" else None
         # Rotary frequencies: float32 whatever the model's dtype (not a buffer, which .to() would round).
         self._inv_freq = inverse_frequencies(config) if config.positions == "rope" else None
         self.drop = nn.Dropout(config.embd_dropout)
@@ -215,9 +222,10 @@ class GPT(nn.Module):
         self.ln_f = norm_layer(config)
         if not config.tie_head:
             self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
-        nn.init.normal_(self.tok.weight, std=0.02)
-        if self.pos is not None:
-            nn.init.normal_(self.pos.weight, std=0.02)
+        if not meta:
+            nn.init.normal_(self.tok.weight, std=0.02)
+            if self.pos is not None:
+                nn.init.normal_(self.pos.weight, std=0.02)
 
     @property
     def head_weight(self) -> Tensor:
