@@ -146,4 +146,13 @@ inline void prefetch_rows(const scalar_t* x, int64_t ld, int64_t rows, int64_t b
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// Lanes [0, 8) of a 256-bit mask for the first `count` of 8 floats (count clamped to [0, 8]): the
+// masked loads and stores of a register block's last, partial panel.
+inline __m256i lane_mask(int64_t count) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(count, 0, 8))), lanes);
+}
+#endif
+
 }  // namespace causal_attention::tile::CPU_CAPABILITY

@@ -167,12 +167,6 @@ void block(int64_t kc, const float* a, int64_t rs_a, int64_t cs_a, const float* 
 #elif defined(CPU_CAPABILITY_AVX2)
 constexpr int kGroupPanels = 1;  // 6 rows x 1 panel: 12 ymm accumulators, 2 B vectors, a broadcast
 
-// lanes [0, 8) of a 256-bit mask for the first `count` of 8 floats (count clamped to [0, 8]).
-inline __m256i lane_mask(int64_t count) {
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(count, 0, 8))), lanes);
-}
-
 // The AVX2 build of the block above: R rows x one panel (two ymm registers a row).
 template <int R, int NP>
 void block(int64_t kc, const float* a, int64_t rs_a, int64_t cs_a, const float* b, int64_t /*ps_b*/, float* c,
