@@ -134,18 +134,20 @@ void read_rope(const HfConfig& hf, GPTConfig& c) {
     if (!hf.raw(key).is_object()) unsupported(hf, concat(key, " must be an object; got ", hf.raw(key).dump()));
     return hf.raw(key);
   };
-  const json params = object("rope_parameters"), legacy = object("rope_scaling");
+  // As transformers' convert_rope_params_to_dict: a non-empty rope_scaling replaces rope_parameters.
+  const json legacy = object("rope_scaling");
+  const json params = legacy.empty() ? object("rope_parameters") : legacy;
+  const std::string from = legacy.empty() ? "rope_parameters" : "rope_scaling";
   const auto field = [&](const json& from, const char* key) -> std::optional<json> {
     if (from.contains(key) && !from.at(key).is_null()) return from.at(key);
     return std::nullopt;
   };
   const auto theta = field(params, "rope_theta");
-  if (theta.has_value() && !theta->is_number()) unsupported(hf, "rope_parameters.rope_theta must be a number");
+  if (theta.has_value() && !theta->is_number()) unsupported(hf, from + ".rope_theta must be a number");
   c.rope_theta = theta.has_value() ? theta->get<double>() : hf.number("rope_theta", 10000.0);
   std::optional<json> kind;
-  for (const auto& [from, key] : {std::pair{&params, "rope_type"}, std::pair{&params, "type"},
-                                  std::pair{&legacy, "rope_type"}, std::pair{&legacy, "type"}}) {
-    if (!kind.has_value()) kind = field(*from, key);
+  for (const char* key : {"rope_type", "type"}) {
+    if (!kind.has_value()) kind = field(params, key);
   }
   auto factor = field(params, "partial_rotary_factor");
   if (!factor.has_value() && hf.has("partial_rotary_factor")) factor = hf.raw("partial_rotary_factor");
@@ -157,12 +159,11 @@ void read_rope(const HfConfig& hf, GPTConfig& c) {
   if (type != "llama3") {
     unsupported(hf, concat("rope type '", type, "' is not supported (GPT implements 'default' and 'llama3')"));
   }
-  const json& source = params.contains("factor") ? params : legacy;
   std::array<double, 4> values{};
   const std::array<const char*, 4> keys{"factor", "low_freq_factor", "high_freq_factor",
                                         "original_max_position_embeddings"};
   for (size_t i = 0; i < keys.size(); ++i) {
-    const auto value = field(source, keys[i]);
+    const auto value = field(params, keys[i]);
     if (!value.has_value() || !value->is_number()) {
       unsupported(hf, concat("rope type 'llama3' needs a number ", keys[i]));
     }

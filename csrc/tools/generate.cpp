@@ -16,6 +16,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -131,7 +132,8 @@ class Tokenizer {
     if (in) text << in.rdbuf();
     const auto values = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
     if (!in || !values.is_object() || !values.contains("model")) {
-      return Tokenizer{CharTokenizer::load(path, vocab_size)};  // its errors name what is wrong
+      // The demo's: its errors name what is wrong, --tokens too (its eos_id is their default)
+      return Tokenizer{CharTokenizer::load(path, vocab_size)};
     }
     try {
       return Tokenizer{causal_attention::BpeTokenizer::load(path, vocab_size)};
@@ -214,6 +216,25 @@ std::vector<int64_t> parse_token_list(const std::string& text) {
   return ids;
 }
 
+// --seed as torch's manual_seed takes it: an integer in -2^63 .. 2^64 - 1, a negative one as its
+// two's complement (manual_seed(-1) is manual_seed(2^64 - 1)).
+uint64_t parse_seed(const std::string& text) {
+  const auto bad = [&] {
+    return std::invalid_argument("--seed: expected an integer in -9223372036854775808..18446744073709551615 (as "
+                                 "torch's manual_seed); got '" + text + "'");
+  };
+  const bool negative = !text.empty() && text[0] == '-';
+  const auto digits = text.substr(negative ? 1 : 0);
+  if (digits.empty() || !std::all_of(digits.begin(), digits.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
+    throw bad();
+  }
+  try {
+    return negative ? static_cast<uint64_t>(std::stoll(text)) : static_cast<uint64_t>(std::stoull(text));
+  } catch (const std::out_of_range&) {
+    throw bad();
+  }
+}
+
 std::string join(const std::vector<int64_t>& ids) {
   std::string out;
   for (size_t i = 0; i < ids.size(); ++i) out += (i ? "," : "") + std::to_string(ids[i]);
@@ -230,7 +251,8 @@ struct Arguments {
   std::string model;
   std::vector<std::string> prompts, token_lists;
   std::vector<Input> inputs;  // prompts and token lists in command-line order
-  std::optional<int64_t> max_new_tokens, top_k, eos, seed, threads;
+  std::optional<int64_t> max_new_tokens, top_k, eos, threads;
+  std::optional<std::string> seed;  // parse_seed's
   double temperature = 1.0;
   std::string dump_logits;
   bool bench = false;
@@ -256,7 +278,7 @@ causal_attention::GenerateOptions generate_options(const Arguments& args, const 
   } else {
     options.stop_ids = model_eos;
   }
-  if (args.seed) options.seed = static_cast<uint64_t>(*args.seed);
+  if (args.seed) options.seed = parse_seed(*args.seed);
   options.keep_logits = !args.dump_logits.empty();
   options.float32_logits = !args.rounded_logits;
   return options;
@@ -364,9 +386,22 @@ int run(const Arguments& args) {
     if (*args.threads <= 0) throw std::invalid_argument("--threads must be positive");
     at::set_num_threads(static_cast<int>(*args.threads));
   }
+  if (args.seed) parse_seed(*args.seed);  // before the model loads: a bad --seed is a usage error
+  if (!args.dump_logits.empty()) {  // before generating: the file is written last
+    const std::filesystem::path path(args.dump_logits);
+    const auto parent = path.parent_path();
+    if (std::filesystem::is_directory(path) || (!parent.empty() && !std::filesystem::is_directory(parent))) {
+      throw std::invalid_argument("--dump-logits: cannot write '" + args.dump_logits + "' (" +
+                                  (std::filesystem::is_directory(path) ? "a directory" : "no such directory") + ")");
+    }
+  }
   const std::filesystem::path directory(args.model);
   auto model = causal_attention::load_gpt(directory);
   const auto& config = model->config();
+  if (args.eos && (*args.eos < 0 || *args.eos >= config.vocab_size)) {
+    throw std::invalid_argument("--eos: " + std::to_string(*args.eos) + " is outside the model's vocabulary 0.." +
+                                std::to_string(config.vocab_size - 1));
+  }
 
   // The tokenizer encodes --prompt and, for the demo's files, gives --prompt and --tokens alike their
   // default EOS; a transformers directory names its own.
@@ -379,14 +414,16 @@ int run(const Arguments& args) {
   for (const auto& input : args.inputs) {
     prompts.push_back(input.text ? tokenizer->encode(input.value) : parse_token_list(input.value));
   }
+  for (size_t b = 0; b < prompts.size(); ++b) {
+    for (const auto id : prompts[b]) {
+      if (id >= config.vocab_size) {
+        throw std::invalid_argument("--tokens: id " + std::to_string(id) + " (input " + std::to_string(b + 1) +
+                                    ") is outside the model's vocabulary 0.." + std::to_string(config.vocab_size - 1));
+      }
+    }
+  }
   if (args.tokenize) {  // each input's ids and text, one JSON line each; no generation
     for (const auto& ids : prompts) {
-      for (const auto id : ids) {
-        if (id >= config.vocab_size) {
-          throw std::invalid_argument("--tokens: id " + std::to_string(id) + " is outside the model's vocabulary 0.." +
-                                      std::to_string(config.vocab_size - 1));
-        }
-      }
       std::cout << nlohmann::json{{"ids", ids}, {"text", tokenizer->decode(ids)}}.dump() << "\n";
     }
     return 0;

@@ -213,11 +213,12 @@ def test_top_k_sampling_with_a_seed_equals_python(tmp_path: Path) -> None:
     model = gpt2_shaped()
     model.save(tmp_path)
     prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9]]
-    for seed, k, temperature in [(0, 5, 1.0), (123, 50, 0.7)]:
+    # manual_seed's whole range: past 2^63, and negative (two's complement)
+    for seed, k, temperature in [(0, 5, 1.0), (123, 50, 0.7), (2**63 + 5, 5, 1.0), (2**64 - 1, 5, 1.0), (-2, 5, 1.0)]:
         expected = model.generate(prompts, 8, top_k=k, temperature=temperature,
                                   generator=torch.Generator().manual_seed(seed))
         out = run("--model", str(tmp_path), "--max-new-tokens", "8", "--top-k", str(k), "--temperature", str(temperature),
-                  "--seed", str(seed), *sum((["--tokens", ",".join(map(str, p))] for p in prompts), []))
+                  f"--seed={seed}", *sum((["--tokens", ",".join(map(str, p))] for p in prompts), []))
         assert [[int(t) for t in line.split(",")] for line in out.stdout.splitlines()] == expected
 
 
@@ -395,7 +396,17 @@ def test_checkpoint_corpus(tmp_path: Path, case: dict) -> None:
         ([], ["--model"]),
         (["--model", "{dir}"], ["--prompt or --tokens"]),
         (["--model", "{dir}", "--tokens", "1,x"], ["--tokens", "1,x"]),
-        (["--model", "{dir}", "--tokens", "1,40"], ["tokens must be in 0..39"]),
+        (["--model", "{dir}", "--tokens", "1,40"], ["--tokens: id 40 (input 1) is outside the model's vocabulary 0..39"]),
+        (["--model", "{dir}", "--tokens", "1", "--tokens", "39,40"], ["--tokens: id 40 (input 2)"]),
+        (["--model", "{dir}", "--tokens", "1", "--eos", "40"], ["--eos: 40 is outside the model's vocabulary 0..39"]),
+        (["--model", "{dir}", "--tokens", "1", "--eos=-1"], ["--eos: -1 is outside the model's vocabulary 0..39"]),
+        (["--model", "{dir}", "--tokens", "1", "--seed", str(2**64)],
+         ["--seed: expected an integer in -9223372036854775808..18446744073709551615", str(2**64)]),
+        (["--model", "{dir}", "--tokens", "1", "--seed=-9223372036854775809"], ["--seed: expected an integer"]),
+        (["--model", "{dir}", "--tokens", "1", "--seed", "1e5"], ["--seed: expected an integer", "'1e5'"]),
+        (["--model", "{dir}", "--tokens", "1", "--dump-logits", "{dir}/nowhere/d.safetensors"],
+         ["--dump-logits: cannot write", "(no such directory)"]),
+        (["--model", "{dir}", "--tokens", "1", "--dump-logits", "{dir}"], ["--dump-logits: cannot write", "(a directory)"]),
         (["--model", "{dir}", "--tokens", "1", "--max-new-tokens", "40"], ["exceeds max_len=32"]),
         (["--model", "{dir}", "--tokens", "1", "--top-k", "0"], ["top_k"]),
         (["--model", "{dir}", "--tokens", "1", "--temperature", "0", "--top-k", "3"],

@@ -122,6 +122,26 @@ def test_logits_equal_transformers_in_float32(tmp_path: Path) -> None:
         torch.testing.assert_close(got, expected, atol=1e-5 * max(1.0, float(expected.abs().max())), rtol=0)
 
 
+def test_a_legacy_rope_scaling_replaces_rope_parameters_as_in_transformers(tmp_path: Path) -> None:
+    """transformers reads a non-empty rope_scaling in place of rope_parameters (its rope_theta then from the
+    top level, else the default): the C++ reader takes the same rope, and refuses one it lacks."""
+    directory = save_hf("llama", tmp_path / "hf", seed=5)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+    edit_config(directory, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, rope_scaling=scaling)
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(directory)).eval()
+    assert hf.config.rope_parameters["rope_type"] == "llama3"  # what the test stands on
+    dump = tmp_path / "d.safetensors"
+    run("--model", str(directory), "--max-new-tokens", "1", "--dump-logits", str(dump), "--tokens",
+        ",".join(map(str, PROMPTS[0])))
+    with torch.no_grad():
+        expected = hf(torch.tensor([PROMPTS[0]])).logits
+    torch.testing.assert_close(load_file(str(dump))["forward_logits"], expected,
+                               atol=1e-5 * max(1.0, float(expected.abs().max())), rtol=0)
+    edit_config(directory, rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    expect(directory, "config.json", "rope type 'yarn'")
+
+
 def test_python_from_huggingface_returns_eval_mode(tmp_path: Path) -> None:
     """As transformers' from_pretrained: GPT-2's dropout (0.1) must not reach generate."""
     assert not from_huggingface(save_hf("gpt2", tmp_path)).training
