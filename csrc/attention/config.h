@@ -18,6 +18,9 @@ inline constexpr int64_t kWaveItemsPerThread = 8;
 // Tiles on the causal diagonal go in slices of this many query rows, each with only the keys its
 // rows can see, to waste less of the masked triangle.
 inline constexpr int64_t kDiagonalRows = 64;
+// Inside such a slice the forward's two products go in groups of this many rows (a multiple of the
+// micro-kernels' register blocks), each only over the keys its last row sees.
+inline constexpr int64_t kDiagonalGroupRows = 12;
 
 // Decode attention.
 inline constexpr int64_t kDecodeChunk = 256;  // keys: the unit of a context's split, the least per streamed call

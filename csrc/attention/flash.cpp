@@ -172,6 +172,23 @@ void causal_tiles(int64_t q0, int64_t bq, int64_t k0, int64_t bk, const F& f) {
   }
 }
 
+// f(g0, rows, cols_g) for the row groups of a tile of n rows and cols keys whose row i sees keys up to
+// i + causal (causal_offset): below the diagonal (tile::kNoCausal) the whole tile at once; on it groups
+// of kDiagonalGroupRows rows (whole register blocks), each with only the keys its last row sees,
+// rounded up to whole panels (at most cols: even, or all the packed keys, as pairs need).
+template <typename F>
+void diagonal_groups(int64_t n, int64_t cols, int64_t causal, const F& f) {
+  if (causal == tile::kNoCausal) {
+    f(0, n, cols);
+    return;
+  }
+  for (int64_t g0 = 0; g0 < n; g0 += kDiagonalGroupRows) {
+    const int64_t g1 = std::min(n, g0 + kDiagonalGroupRows);
+    const int64_t seen = std::clamp<int64_t>(g1 + causal, 0, cols);
+    f(g0, g1 - g0, std::min(cols, ceil_div(seen, tile::kPanel) * tile::kPanel));
+  }
+}
+
 // The keys of a tile as its products take them: the pair micro-kernel sums keys in pairs, so an odd
 // count short of the block's packed keys takes one more (a key no row sees: its P and dS are 0).
 int64_t pair_cols(Products products, int64_t cols, int64_t packed) {
@@ -470,8 +487,12 @@ class ForwardPass {
     acc_t* s = ws.s.data();
     const int64_t causal = causal_offset(q, k0, cols);
     const int64_t first = window_first(q, k0, g_.window);
-    score_product<scalar_t>(rows_from(q_block, r0), rows.k + k0 * rows.k_ld, rows.k_ld, n, cols, g_.hd, s, cols,
-                            panels.keys);
+    diagonal_groups(n, cols, causal, [&](int64_t g0, int64_t rows_g, int64_t cols_g) {
+      if (cols_g > 0) {  // (the entries past a row's keys are never read)
+        score_product<scalar_t>(rows_from(q_block, r0 + g0), rows.k + k0 * rows.k_ld, rows.k_ld, rows_g, cols_g,
+                                g_.hd, s + g0 * cols, cols, panels.keys);
+      }
+    });
     shape_scores<acc_t>(s, cols, n, cols, rule_, first, nullptr);
     const auto p = [&]() -> Operand<scalar_t> {  // P, entries <= 1, as the product P V reads it
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
@@ -490,8 +511,10 @@ class ForwardPass {
       return input_operand<scalar_t>(s, ws.p_in.data(), ws.p_wide.data(), cols, n, cols, products_,
                                      {ws.p_pairs.data(), nullptr});
     }();
-    row_product<scalar_t>(false, n, g_.hd, cols, p, rows.v + k0 * rows.v_ld, rows.v_ld, panels.values, false,
-                          ws.pv.data(), g_.hd);
+    diagonal_groups(n, cols, causal, [&](int64_t g0, int64_t rows_g, int64_t cols_g) {  // P is 0 past a row's keys
+      row_product<scalar_t>(false, rows_g, g_.hd, cols_g, rows_from(p, g0), rows.v + k0 * rows.v_ld, rows.v_ld,
+                            panels.values, false, ws.pv.data() + g0 * g_.hd, g_.hd);
+    });
     if (key_mask != nullptr || causal != tile::kNoCausal || window_cuts(first, n)) {
       exclude_masked_values<scalar_t>(p, rows.v + k0 * rows.v_ld, rows.v_ld, n, cols, g_.hd, causal, first, key_mask,
                                       ws.pv.data());
