@@ -602,8 +602,9 @@ def _refused_step_case(case: str) -> tuple[CausalSelfAttention, KVCache, torch.T
         return attn, attn.make_cache(3, 6), x, ValueError, r"cache must hold \(B, n_heads, max_len, head_dim\)"
     if case == "integer_x":
         return attn, cache, torch.ones(B, 1, 16, dtype=torch.int64), TypeError, "x must be a floating-point tensor"
-    if case == "weight_dtype":  # x and the cache in float64, the weights in float32: the op's error
-        return attn, attn.make_cache(B, 6, dtype=torch.float64), x.double(), TypeError, "qkv_weight dtype"
+    if case == "weight_dtype":  # x and the cache in float64, the weights in float32: forward's error, naming x
+        return (attn, attn.make_cache(B, 6, dtype=torch.float64), x.double(), TypeError,
+                r"x must have the layer's parameters' dtype torch.float32; got x of dtype torch.float64")
     if case == "noncontiguous_cache":  # passes forward's checks: the op's error
         cache.k = torch.zeros(B, 2, 8, 6).transpose(2, 3)
         return attn, cache, x, ValueError, "the KV cache buffers must be contiguous"

@@ -51,3 +51,19 @@ def test_gpt_position_check_holds_compiled_too():
     for _, fn in _eager_and_compiled(lambda t: model(t)):
         with pytest.raises(RuntimeError, match="sequence longer than max_len=8"):
             fn(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_x_dtype_check_holds_compiled_and_allows_autocast():
+    """The check that x has the parameters' dtype raises its message compiled (fullgraph) too (as
+    dynamo's error carrying it: it is raised while tracing); under autocast, where x legitimately
+    differs, the compiled layer runs."""
+    attn = CausalSelfAttention(16, 2)
+    for mode, fn in _eager_and_compiled(lambda x: attn(x)):
+        error = TypeError if mode == "eager" else torch._dynamo.exc.Unsupported
+        with pytest.raises(error, match="x must have the layer's parameters' dtype torch.float32"):
+            fn(torch.randn(2, 3, 16, dtype=torch.float64))
+    x = torch.randn(2, 3, 16, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = attn(x)
+        compiled = torch.compile(lambda x: attn(x), fullgraph=True)(x)
+    assert compiled.dtype == torch.bfloat16 and rel_err(compiled.float(), eager.float()) <= 1e-2

@@ -98,3 +98,28 @@ def test_op_checks_its_own_inputs():
         op(torch.randn(5, 12), None, 4)
     with pytest.raises(ValueError, match="n_heads must be positive"):
         op(torch.randn(2, 5, 12), None, 0)
+
+
+def test_x_of_another_dtype_than_the_parameters_names_both(attn):
+    with pytest.raises(TypeError, match=r"x must have the layer's parameters' dtype torch.float32; got x of dtype "
+                                        r"torch.float64"):
+        attn(torch.randn(2, 5, 16, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"parameters' dtype torch.float64; got x of dtype torch.bfloat16"):
+        CausalSelfAttention(16, 4).double()(torch.randn(2, 5, 16, dtype=torch.bfloat16))
+
+
+def test_x_on_another_device_than_the_parameters_names_both(attn):
+    with pytest.raises(ValueError, match=r"x must be on the layer's parameters' device cpu; got x on meta"):
+        attn(torch.randn(2, 5, 16, device="meta"))
+    with pytest.raises(ValueError, match=r"parameters' device meta; got x on cpu"):
+        CausalSelfAttention(16, 4, device="meta")(torch.randn(2, 5, 16))
+
+
+def test_autocast_may_feed_x_of_another_dtype(attn):
+    """Under autocast the projections cast x: float32 weights with bfloat16 x is what autocast runs."""
+    x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = attn(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = attn(x.float())
+    assert y.dtype == torch.bfloat16 and torch.equal(y, expected)

@@ -184,6 +184,15 @@ def test_cached_gpt_length_is_static() -> None:
         torch.export.export(step, (tokens,), dynamic_shapes=({1: torch.export.Dim("t", max=16)},))
 
 
+def test_cached_gpt_refuses_a_max_len_past_the_models() -> None:
+    """Positions past the model's max_len do not exist: a longer cache is refused, naming max_len."""
+    model = make_gpt()
+    limit = model.config.max_len
+    assert CachedGPT(model, batch_size=1, max_len=limit).k0.shape[2] == limit
+    with pytest.raises(ValueError, match=rf"max_len must be an int in 1..config.max_len={limit}; got {2 * limit}"):
+        CachedGPT(model, batch_size=1, max_len=2 * limit)
+
+
 def test_cached_gpt_rejects_a_model_that_is_not_a_gpt() -> None:
     with pytest.raises(TypeError, match="model must be a causal_attention.GPT"):
         CachedGPT(torch.nn.Linear(2, 2), batch_size=1)  # type: ignore[arg-type]

@@ -674,6 +674,85 @@ def test_nanogpt_mismatches_name_the_key_or_option():
         from_nanogpt(42)
 
 
+def test_nanogpt_unreadable_files_are_checkpoint_errors(tmp_path):
+    """A truncated ckpt.pt (torch's zip reader fails) and an empty one are CheckpointErrors naming
+    the file, as a text file is."""
+    torch.save(_nano_checkpoint(), tmp_path / "ckpt.pt")
+    data = (tmp_path / "ckpt.pt").read_bytes()
+    for name, content in [("trunc.pt", data[:1000]), ("empty.pt", b""), ("text.pt", b"# not a checkpoint\n")]:
+        (tmp_path / name).write_bytes(content)
+        message = f"{tmp_path / name}: not a nanoGPT checkpoint (torch.load: "
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            from_nanogpt(tmp_path / name)
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("vocab_size", 10**12, "'transformer.wte.weight' has shape (101, 64); the model expects (1000000000000, 64) "
+                               "(model_args vocab_size=1000000000000, n_embd=64)"),
+        ("n_layer", 10**6, "model_args n_layer=1000000 but the checkpoint holds 2 blocks"),
+        ("n_layer", 1, "model_args n_layer=1 but the checkpoint holds 2 blocks"),
+        ("block_size", 10**9, "'transformer.wpe.weight' has shape (64, 64); the model expects (1000000000, 64) "
+                              "(model_args block_size=1000000000"),
+        ("n_embd", 4096, "'transformer.wte.weight' has shape (101, 64); the model expects (101, 4096)"),
+        ("n_embd", "64", 'model_args: n_embd must be an int; got "64"'),
+        ("n_layer", 2.5, "model_args: n_layer must be an int; got 2.5"),
+        ("vocab_size", True, "model_args: vocab_size must be an int; got true"),
+        ("bias", "yes", 'model_args: bias must be true or false; got "yes"'),
+        ("dropout", "0.1", 'model_args: dropout must be a number; got "0.1"'),
+        ("vocab_size", 0, "model_args: GPTConfig.vocab_size must be a positive int; got 0"),
+    ],
+)
+def test_nanogpt_model_args_are_checked_against_the_tensors_first(option, value, message):
+    """model_args that disagree with the tensors, or are not of their type, are errors naming the
+    option, before the model is built: no allocation of what model_args asks for (10**12 tokens, a
+    million layers), in a moment."""
+    ckpt = _nano_checkpoint()
+    ckpt["model_args"][option] = value
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        from_nanogpt(ckpt)
+
+
+def test_huggingface_config_values_of_the_wrong_type_or_size_are_named(tmp_path):
+    """config.json's options must be of their JSON type (C++'s HfConfig rules and messages, naming
+    the file), and must agree with the tensors before the model is built."""
+    hf = hf_model(small_hf_config(), F32)
+    hf.save_pretrained(str(tmp_path))
+    values = json.loads((tmp_path / "config.json").read_text())
+    config_json = f"{tmp_path / 'config.json'}: "
+    cases = [("n_embd", "64", config_json + 'n_embd must be an int; got "64"'),
+             ("layer_norm_epsilon", "1e-5", config_json + 'layer_norm_epsilon must be a number; got "1e-5"'),
+             ("tie_word_embeddings", 1, config_json + "tie_word_embeddings must be true or false; got 1"),
+             ("n_layer", None, "config n_layer=12 but the checkpoint holds 2 blocks"),  # null: the default, 12
+             ("n_layer", 10**6, "config n_layer=1000000 but the checkpoint holds 2 blocks"),
+             ("vocab_size", 10**12, "'transformer.wte.weight' has shape (101, 64); the model expects "
+                                    "(1000000000000, 64) (config vocab_size=1000000000000, n_embd=64)"),
+             ("n_inner", 10**9, "'transformer.h.0.mlp.c_fc.weight' has shape (64, 256); the model expects "
+                                "(64, 1000000000) (config n_embd=64, n_inner=1000000000)")]
+    for option, value, message in cases:
+        (tmp_path / "config.json").write_text(json.dumps({**values, option: value}))
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            from_huggingface(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**values, "n_head": 4.0}))  # a whole float reads as int()
+    assert from_huggingface(tmp_path).config.n_heads == 4
+
+
+def test_to_huggingface_writes_token_ids_of_the_vocabulary():
+    """GPT2Config's bos/eos default (50256, GPT-2's tokenizer's) is kept only where the vocabulary
+    holds it; ids passed are checked against the vocabulary, naming them."""
+    small = GPT(GPTConfig(vocab_size=13, max_len=8, dim=16, n_layers=1, n_heads=2, activation="gelu_tanh"))
+    config = to_huggingface(small).config
+    assert (config.bos_token_id, config.eos_token_id) == (None, None)
+    config = to_huggingface(small, bos_token_id=12, eos_token_id=11).config
+    assert (config.bos_token_id, config.eos_token_id) == (12, 11)
+    with pytest.raises(CheckpointError, match=re.escape("eos_token_id must be None or a token id in "
+                                                        "0..vocab_size-1 = 0..12; got 13")):
+        to_huggingface(small, eos_token_id=13)
+    wide = GPT(GPTConfig(vocab_size=50257, max_len=8, dim=16, n_layers=1, n_heads=2, activation="gelu_tanh"))
+    assert to_huggingface(wide).config.eos_token_id == 50256
+
+
 # ---------------------------------------------------------------------------------------------
 # 6. The project's own files: GPT.save / GPT.load
 

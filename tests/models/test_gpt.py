@@ -164,6 +164,36 @@ def test_generate_argument_errors():
         model.generate(torch.ones(2, 3), 3)
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generate_token_ids_outside_the_vocabulary_name_the_argument(use_cache: bool):
+    """eos_id, pad_id and prompt tokens must be ids of the model's vocabulary (0..52): each error
+    names its argument and the range, before any work."""
+    model = random_gpt()  # vocab_size 53
+    for eos_id in (-5, 53, 1000):
+        with pytest.raises(ValueError, match=rf"eos_id must be a token id in 0..vocab_size-1 = 0..52; got {eos_id}"):
+            model.generate([[1]], 2, eos_id=eos_id, use_cache=use_cache)
+    with pytest.raises(ValueError, match=r"pad_id must be a token id in 0..vocab_size-1 = 0..52; got 1000"):
+        model.generate([[1], [1, 2]], 2, pad_id=1000, use_cache=use_cache)
+    with pytest.raises(ValueError, match=r"eos_id must be a token id .*; got True"):
+        model.generate([[1]], 2, eos_id=True, use_cache=use_cache)
+    with pytest.raises(ValueError, match=r"prompts\[1\]\[2\] = 64 is not a token id: token ids are in "
+                                         r"0..vocab_size-1 = 0..52"):
+        model.generate([[1], [1, 2, 64]], 2, use_cache=use_cache)
+    with pytest.raises(ValueError, match=r"prompts\[0\]\[0\] = -1 is not a token id"):
+        model.generate(torch.tensor([[-1, 2]]), 2, use_cache=use_cache)
+    # The range's ends are ids.
+    assert len(model.generate([[0, 52]], 2, eos_id=52, pad_id=52, use_cache=use_cache)[0]) >= 1
+
+
+def test_make_caches_refuses_a_max_len_past_the_models():
+    """Positions past config.max_len do not exist: a cache longer than that is refused, naming max_len."""
+    model = random_gpt()  # max_len 48
+    assert [c.max_len for c in model.make_caches(2, 48)] == [48] * len(model.blocks)
+    for max_len in (49, 0, -1, 2.5):
+        with pytest.raises(ValueError, match=rf"max_len must be an int in 1..config.max_len=48; got {max_len}"):
+            model.make_caches(2, max_len)
+
+
 def test_generate_takes_a_tensor_of_prompts():
     model = random_gpt()
     prompts = torch.randint(0, 53, (3, 5))
@@ -230,6 +260,11 @@ def test_attention_dropout_acts_in_training_and_is_reproducible():
         (dict(mlp_hidden=0), "mlp_hidden"),
         (dict(activation="relu"), "activation"),
         (dict(layer_norm_eps=0.0), "layer_norm_eps"),
+        (dict(layer_norm_eps=float("inf")), "layer_norm_eps must be a positive finite float; got inf"),
+        (dict(layer_norm_eps=float("nan")), "layer_norm_eps must be a positive finite float; got nan"),
+        (dict(positions="rope", rope_theta=float("inf")), "rope_theta must be a positive finite number; got inf"),
+        (dict(positions="rope", rope_theta=float("nan")), "rope_theta must be a positive finite number; got nan"),
+        (dict(rope_theta=float("-inf")), "rope_theta must be a positive finite number; got -inf"),
         (dict(attn_dropout=1.0), "attn_dropout"),
         (dict(resid_dropout=-0.1), "resid_dropout"),
         (dict(embd_dropout=True), "embd_dropout"),

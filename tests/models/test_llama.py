@@ -7,6 +7,7 @@ error that names it."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -214,6 +215,55 @@ def test_partial_rotary_is_refused() -> None:
         config_from_huggingface(values)
 
 
+def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it() -> None:
+    """transformers (4 and 5) reads rope_scaling, where given, in place of rope_parameters: a yarn
+    rope_scaling beside a default rope_parameters is yarn, refused by name; a llama3 one is read
+    (with the top-level rope_theta or the default, not rope_parameters')."""
+    values = hf_model("llama").config.to_dict()
+    values["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000.0}
+    yarn = {**values, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}
+    # (transformers writes into the dicts it is given: it reads copies.)
+    assert transformers.LlamaConfig.from_dict(copy.deepcopy(yarn)).rope_parameters["rope_type"] == "yarn"
+    with pytest.raises(CheckpointError, match="rope type 'yarn' is not supported"):
+        config_from_huggingface(yarn)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 16}
+    both = {**values, "rope_scaling": llama3, "rope_theta": 7.0}
+    theirs = transformers.LlamaConfig.from_dict(copy.deepcopy(both)).rope_parameters
+    config = config_from_huggingface(both)
+    assert config.rope_scaling == llama3 and config.rope_theta == theirs["rope_theta"] == 7.0
+    assert config_from_huggingface({**values, "rope_scaling": None}).rope_theta == 5000.0
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [("hidden_size", "64", 'hidden_size must be an int; got "64"'),
+     ("num_hidden_layers", 2.5, "num_hidden_layers must be an int; got 2.5"),
+     ("rms_norm_eps", "1e-6", 'rms_norm_eps must be a number; got "1e-6"'),
+     ("attention_bias", "false", 'attention_bias must be true or false; got "false"'),
+     ("vocab_size", None, "missing option vocab_size"),
+     ("rope_scaling", "llama3", 'rope_scaling must be an object; got "llama3"')],
+)
+def test_config_values_of_the_wrong_json_type_are_named(option: str, value: Any, message: str) -> None:
+    """C++'s HfConfig rules and messages: a value of another JSON type (a string "64" is not an int)
+    is an error naming the option; null takes the default, and a required option has none."""
+    values = hf_model("llama").config.to_dict()
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        config_from_huggingface({**values, option: value})
+
+
+def test_a_huggingface_directory_with_a_string_hidden_size_names_its_config(tmp_path: Path) -> None:
+    hf_model("llama").save_pretrained(tmp_path)
+    values = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**values, "hidden_size": "64"}))
+    with pytest.raises(CheckpointError, match=re.escape(f'{tmp_path / "config.json"}: hidden_size must be an int; '
+                                                        'got "64"')):
+        from_huggingface(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**values, "num_hidden_layers": 10**6}))
+    with pytest.raises(CheckpointError, match="num_hidden_layers=1000000 but the checkpoint holds 2 blocks"):
+        from_huggingface(tmp_path)
+
+
 def test_missing_and_misshapen_tensors_are_named(tmp_path: Path) -> None:
     hf = hf_model("llama")
     hf.save_pretrained(tmp_path)
@@ -242,7 +292,7 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path: Path) -> None:
         (dict(n_kv_heads=3), "n_kv_heads=3 must divide n_heads=4"),
         (dict(norm="batchnorm"), "norm must be"),
         (dict(positions="alibi"), "positions must be"),
-        (dict(positions="rope", rope_theta=0.0), "rope_theta must be a positive number"),
+        (dict(positions="rope", rope_theta=0.0), "rope_theta must be a positive finite number"),
         (dict(positions="rope", rope_scaling={"rope_type": "yarn"}), "rope_type 'yarn' is not supported"),
         (dict(rope_scaling={"rope_type": "llama3"}), "rope_scaling needs positions='rope'"),
         (dict(sliding_window=0), "sliding_window must be None or a positive int"),

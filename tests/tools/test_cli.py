@@ -321,6 +321,100 @@ def test_convert_unreadable_sources_exit_2_naming_the_file(tmp_path: Path, capsy
     assert not (tmp_path / "out").exists()
 
 
+def _one_line_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """cli.main(argv) must exit with code 2 and print one line (no usage block, no traceback); returns it."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("python -m causal_attention "), err
+    return err.strip()
+
+
+def test_convert_file_problems_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing SRC, a truncated nanoGPT checkpoint and model_args that ask for more than its tensors
+    each print one line naming the file or option (argparse's usage block is for malformed arguments)."""
+    from causal_attention.models import GPT, GPTConfig
+    from causal_attention.models.convert import nanogpt_model_args, to_nanogpt_state_dict
+
+    out = str(tmp_path / "out")
+    line = _one_line_exit_2(["convert", "--from", "ours", str(tmp_path / "nope"), "--out", out], capsys)
+    assert f"SRC {tmp_path / 'nope'}: not found" in line
+    model = GPT(GPTConfig(vocab_size=13, max_len=8, dim=16, n_layers=2, n_heads=2))
+    checkpoint = {"model": to_nanogpt_state_dict(model), "model_args": nanogpt_model_args(model)}
+    torch.save(checkpoint, tmp_path / "ckpt.pt")
+    (tmp_path / "trunc.pt").write_bytes((tmp_path / "ckpt.pt").read_bytes()[:1000])
+    line = _one_line_exit_2(["convert", "--from", "nanogpt", str(tmp_path / "trunc.pt"), "--out", out], capsys)
+    assert f"{tmp_path / 'trunc.pt'}: not a nanoGPT checkpoint (torch.load: " in line
+    torch.save({**checkpoint, "model_args": {**checkpoint["model_args"], "vocab_size": 10**12}}, tmp_path / "big.pt")
+    line = _one_line_exit_2(["convert", "--from", "nanogpt", str(tmp_path / "big.pt"), "--out", out], capsys)
+    assert "(model_args vocab_size=1000000000000, n_embd=16)" in line
+    torch.save({**checkpoint, "model_args": {**checkpoint["model_args"], "n_embd": "16"}}, tmp_path / "text.pt")
+    line = _one_line_exit_2(["convert", "--from", "nanogpt", str(tmp_path / "text.pt"), "--out", out], capsys)
+    assert 'model_args: n_embd must be an int; got "16"' in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An output that cannot be written (a file where a directory must be, or in a parent) is one
+    line naming the option, before the run (which would fail at its end)."""
+    from causal_attention.models import GPT, GPTConfig
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    GPT(GPTConfig(vocab_size=13, max_len=8, dim=16, n_layers=1, n_heads=2)).save(tmp_path / "m")
+    cases = [
+        (["check", "--shapes", "2,64,64,4", "--repeats", "1", "--json", f"{afile}/x.json"],
+         f"--json {afile}/x.json: {afile} is a file"),
+        (["check", "--json", str(tmp_path)], f"--json {tmp_path}: is a directory; expected a file name"),
+        (["bench", "--json", f"{afile}/b.json"], f"--json {afile}/b.json: {afile} is a file"),
+        (["bench", "--json", str(tmp_path / "b.json"), "--plot", f"{afile}/deep/b.png"], f"--plot {afile}/deep/b.png"),
+        (["bench-transformers", "--out", str(afile)], f"--out {afile}: is a file; expected a directory"),
+        (["bench-deploy", "--out", str(afile)], f"--out {afile}: is a file"),
+        (["bench-half", "--out", f"{afile}/sub"], f"--out {afile}/sub: {afile} is a file"),
+        (["bench-llama-cpp", "--work", str(afile)], f"--work {afile}: is a file"),
+        (["demo", "--out", f"{afile}/run"], f"--out {afile}/run: {afile} is a file"),
+        (["convert", "--from", "ours", str(tmp_path / "m"), "--out", str(afile)], f"--out {afile}: is a file"),
+        (["convert", "--from", "ours", str(tmp_path / "m"), "--to", "nanogpt", "--out", f"{afile}/c.pt"],
+         f"--out {afile}/c.pt: {afile} is a file"),
+    ]
+    for argv, message in cases:
+        assert message in _one_line_exit_2(["--threads", "1", *argv], capsys), argv
+    assert afile.read_text() == "x"
+
+
+def test_threads_after_the_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--threads is taken after the command as before it (after wins where both are given)."""
+    cli.main(["check", "--threads", "1", "--shapes", "1,8,16,2", "--repeats", "1", "--json", str(tmp_path / "a.json")])
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(3)
+    cli.main(["--threads", "2", "check", "--shapes", "1,8,16,2", "--repeats", "1", "--json", str(tmp_path / "b.json")])
+    assert torch.get_num_threads() == 2
+    cli.main(["--threads", "2", "check", "--threads", "1", "--shapes", "1,8,16,2", "--repeats", "1"])
+    assert torch.get_num_threads() == 1
+    capsys.readouterr()
+    assert "expected a positive integer; got '0'" in _exit_2(["demo", "--threads", "0"], capsys)
+
+
+def test_convert_to_huggingface_writes_the_models_own_token_ids(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A demo model's tokenizer.json gives bos/eos; without one a 13-token model gets none (not
+    GPT-2's 50256): every id written is in the vocabulary."""
+    pytest.importorskip("transformers")
+    from causal_attention.models import GPT, GPTConfig
+    from causal_attention.tools import demo
+
+    GPT(GPTConfig(vocab_size=demo.VOCAB, max_len=demo.MAX_LEN, dim=16, n_layers=1, n_heads=2,
+                  activation="gelu_tanh")).save(tmp_path / "m")
+    cli.main(["convert", "--from", "ours", str(tmp_path / "m"), "--to", "huggingface", "--out", str(tmp_path / "bare")])
+    (tmp_path / "m" / "tokenizer.json").write_text(json.dumps(demo.tokenizer_json()))
+    cli.main(["convert", "--from", "ours", str(tmp_path / "m"), "--to", "huggingface", "--out", str(tmp_path / "demo")])
+    for name, expected in (("bare", (None, None)), ("demo", (demo.BOS, demo.EOS))):
+        for file in ("config.json", "generation_config.json"):
+            values = json.loads((tmp_path / name / file).read_text())
+            assert (values.get("bos_token_id"), values.get("eos_token_id")) == expected, (name, file)
+
+
 def test_help_shows_every_default_and_no_markup(capsys: pytest.CaptureFixture[str]) -> None:
     helps = {}
     for argv in ([], ["demo"], ["bench"], ["check"], ["convert"]):

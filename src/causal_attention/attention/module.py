@@ -150,6 +150,17 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"x must have last dimension dim={self.dim}; got shape {tuple(x.shape)}")
         if not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor; got dtype {x.dtype}")
+        weight = getattr(self.qkv, "weight", None)
+        if not isinstance(weight, Tensor) or not weight.is_floating_point():
+            return  # a quantized or wrapped projection checks its own input
+        # Said here, naming x, where torch's own message names mat1 and mat2. Under autocast x may
+        # legitimately differ from the weights' dtype (the projections cast it).
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"x must have the layer's parameters' dtype {weight.dtype}; got x of dtype {x.dtype} "
+                            "(convert one: layer.to(x.dtype) or x.to(dtype))")
+        if x.device != weight.device:
+            raise ValueError(f"x must be on the layer's parameters' device {weight.device}; got x on {x.device} "
+                             "(move one: layer.to(x.device) or x.to(device))")
 
     def make_cache(
         self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None

@@ -57,6 +57,25 @@ def load_strict(model: nn.Module, state: Mapping[str, Tensor], *, source: str,
     return model
 
 
+def check_sizes(state: Mapping[str, Tensor], expected: list[tuple[str, tuple[int, ...], str]], *,
+                layer_keys: re.Pattern[str], n_layers: int, layers_option: str, source: str) -> None:
+    """Checks a converter's config (nanoGPT's model_args, transformers' config.json) against the
+    state dict it came with, before the model is built: each (key, shape, the options that set the
+    shape) of `expected` (the embedding and one MLP weight: every other tensor's size follows from
+    them and the heads) and the number of blocks (distinct group(1) of layer_keys). A config asking
+    for more than the checkpoint holds is then an error naming the option, in no time or memory."""
+    for key, shape, options in expected:
+        if key not in state:
+            raise CheckpointError(f"{source}: missing tensor {key!r}")
+        value = state[key]
+        got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        if got != shape:
+            raise CheckpointError(f"{source}: {key!r} has shape {got}; the model expects {shape} ({options})")
+    blocks = {match.group(1) for key in state if (match := layer_keys.match(key))}
+    if len(blocks) != n_layers:
+        raise CheckpointError(f"{source}: {layers_option} but the checkpoint holds {len(blocks)} blocks")
+
+
 # ---------------------------------------------------------------------------------------------
 # The project's own files.
 

@@ -4,6 +4,7 @@ GPTConfig::from_json: the same checks, order and messages)."""
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -76,8 +77,10 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.mlp_hidden must be None or a positive int; got {self.mlp_hidden!r}")
         if self.activation not in ("gelu", "gelu_tanh", "silu"):
             raise ValueError(f"GPTConfig.activation must be 'gelu', 'gelu_tanh' or 'silu'; got {self.activation!r}")
-        if not (isinstance(self.layer_norm_eps, float) and self.layer_norm_eps > 0):
-            raise ValueError(f"GPTConfig.layer_norm_eps must be a positive float; got {self.layer_norm_eps!r}")
+        # inf passes "> 0" but makes every norm's output 0 (and the rotary angles NaN for rope_theta).
+        eps = self.layer_norm_eps
+        if not (isinstance(eps, float) and math.isfinite(eps) and eps > 0):
+            raise ValueError(f"GPTConfig.layer_norm_eps must be a positive finite float; got {self.layer_norm_eps!r}")
         for name in ("attn_dropout", "resid_dropout", "embd_dropout"):
             p = getattr(self, name)
             if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= p < 1.0:
@@ -101,8 +104,8 @@ class GPTConfig:
         if self.positions == "rope" and self.head_dim % 2 != 0:
             raise ValueError(f"GPTConfig: rotary positions need an even head_dim; got {self.head_dim}")
         if not (isinstance(self.rope_theta, (int, float)) and not isinstance(self.rope_theta, bool)
-                and self.rope_theta > 0):
-            raise ValueError(f"GPTConfig.rope_theta must be a positive number; got {self.rope_theta!r}")
+                and math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"GPTConfig.rope_theta must be a positive finite number; got {self.rope_theta!r}")
         if self.rope_scaling is not None:
             if self.positions != "rope":
                 raise ValueError("GPTConfig.rope_scaling needs positions='rope'")

@@ -17,6 +17,7 @@ model object's config or to build one (``to_huggingface``).
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 from torch import Tensor
 
 from . import convert_llama
-from .checkpoint import CheckpointError, load, load_strict, save
+from .checkpoint import CheckpointError, check_sizes, load, load_strict, save
 from .config import GPTConfig
 from .gpt import GPT
 
@@ -51,40 +52,42 @@ _HF_REQUIRED = {
 _HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
-def config_from_huggingface(hf: Mapping[str, Any]) -> GPTConfig:
+def config_from_huggingface(values: Mapping[str, Any], *, source: str | None = None) -> GPTConfig:
     """GPTConfig from a GPT2Config, LlamaConfig, Qwen2Config or MistralConfig (as a dict); an option
-    GPT cannot represent is an error naming it."""
-    model_type = hf.get("model_type", "gpt2")
+    GPT cannot represent, or a value of the wrong JSON type, is an error naming it (and source, the
+    config.json read, where given)."""
+    hf = convert_llama.HfOptions(values, source=source)
+    model_type = hf.text("model_type", "gpt2")
     if model_type in convert_llama.MODEL_TYPES:
-        return convert_llama.config_from_huggingface_llama(hf)
+        return convert_llama.config_from_huggingface_llama(values, source=source)
     if model_type != "gpt2":
-        raise CheckpointError(f"model_type {model_type!r} is not supported: GPT reads GPT-2, Llama, Qwen2 and Mistral "
-                              "checkpoints (model_type 'gpt2', 'llama', 'qwen2', 'mistral')")
+        raise hf.error(f"model_type {model_type!r} is not supported: GPT reads GPT-2, Llama, Qwen2 and Mistral "
+                       "checkpoints (model_type 'gpt2', 'llama', 'qwen2', 'mistral')")
     for option, value in _HF_REQUIRED.items():
-        if option in hf and hf[option] != value:
-            raise CheckpointError(f"GPT-2 option {option}={hf[option]!r} is not supported (GPT implements {option}={value})")
-    activation = hf.get("activation_function", "gelu_new")
+        if hf.boolean(option, value) != value:
+            raise hf.error(f"GPT-2 option {option}={values[option]!r} is not supported "
+                           f"(GPT implements {option}={value})")
+    activation = hf.text("activation_function", "gelu_new")
     if activation not in _HF_ACTIVATIONS:
-        raise CheckpointError(
-            f"GPT-2 option activation_function={activation!r} is not supported (one of {sorted(_HF_ACTIVATIONS)})"
-        )
-    n_embd, n_head = int(hf.get("n_embd", 768)), int(hf.get("n_head", 12))
-    if n_embd % n_head != 0:
-        raise CheckpointError(f"GPT-2 config: n_head={n_head} does not divide n_embd={n_embd}")
+        raise hf.error(f"GPT-2 option activation_function={activation!r} is not supported "
+                       f"(one of {sorted(_HF_ACTIVATIONS)})")
+    n_embd, n_head = hf.integer("n_embd", 768), hf.integer("n_head", 12)
+    if n_head <= 0 or n_embd % n_head != 0:
+        raise hf.error(f"GPT-2 config: n_head={n_head} does not divide n_embd={n_embd}")
     return GPTConfig(
-        vocab_size=int(hf.get("vocab_size", 50257)),
-        max_len=int(hf.get("n_positions", 1024)),
+        vocab_size=hf.integer("vocab_size", 50257),
+        max_len=hf.integer("n_positions", 1024),
         dim=n_embd,
-        n_layers=int(hf.get("n_layer", 12)),
+        n_layers=hf.integer("n_layer", 12),
         n_heads=n_head,
-        mlp_hidden=hf.get("n_inner"),
-        layer_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        mlp_hidden=hf.integer("n_inner", None),
+        layer_norm_eps=hf.number("layer_norm_epsilon", 1e-5),
         activation=_HF_ACTIVATIONS[activation],  # type: ignore[arg-type]
         bias=True,
-        tie_head=bool(hf.get("tie_word_embeddings", True)),
-        attn_dropout=float(hf.get("attn_pdrop", 0.1)),
-        resid_dropout=float(hf.get("resid_pdrop", 0.1)),
-        embd_dropout=float(hf.get("embd_pdrop", 0.1)),
+        tie_head=hf.boolean("tie_word_embeddings", True),
+        attn_dropout=hf.number("attn_pdrop", 0.1),
+        resid_dropout=hf.number("resid_pdrop", 0.1),
+        embd_dropout=hf.number("embd_pdrop", 0.1),
     )
 
 
@@ -219,7 +222,7 @@ def _hf_state_and_config(source: Any, n_heads: int | None) -> tuple[dict[str, Te
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path} not found (from_huggingface takes a save_pretrained directory)")
         hf = json.loads(config_path.read_text())
-        config = config_from_huggingface(hf)  # before the weights: an unsupported option costs no read
+        config = config_from_huggingface(hf, source=str(config_path))  # before the weights: no read if unsupported
         return _read_safetensors_dir(directory), config, str(directory)
     if isinstance(source, Mapping):
         return dict(source), None, "state_dict"
@@ -277,8 +280,19 @@ def _from_huggingface(source: Any, n_heads: int | None) -> GPT:
         config = GPTConfig.gpt2(**{**_config_from_shapes(state, prefix, n_heads, transpose=True, source=name),
                                    "tie_head": "lm_head.weight" not in state
                                    or torch.equal(state["lm_head.weight"], state[prefix + "wte.weight"])})
-    elif n_heads is not None and n_heads != config.n_heads:
-        raise CheckpointError(f"n_heads={n_heads} contradicts the checkpoint's config (n_head={config.n_heads})")
+    else:
+        if n_heads is not None and n_heads != config.n_heads:
+            raise CheckpointError(f"n_heads={n_heads} contradicts the checkpoint's config (n_head={config.n_heads})")
+        c = config
+        # Before the model is built: the config against the tensors, naming the option.
+        check_sizes(state, [(prefix + "wte.weight", (c.vocab_size, c.dim), f"config vocab_size={c.vocab_size}, "
+                             f"n_embd={c.dim}"),
+                            (prefix + "wpe.weight", (c.max_len, c.dim), f"config n_positions={c.max_len}, "
+                             f"n_embd={c.dim}"),
+                            (prefix + "h.0.mlp.c_fc.weight", (c.dim, c.hidden), f"config n_embd={c.dim}, "
+                             f"n_inner={c.mlp_hidden}")],
+                    layer_keys=re.compile(re.escape(prefix) + r"h\.(\d+)\."), n_layers=c.n_layers,
+                    layers_option=f"config n_layer={c.n_layers}", source=name)
     if not config.bias:
         raise CheckpointError(f"{name}: GPT-2 has biases everywhere; ln_f.bias is missing")
     return _converted(state, config, transpose=True, prefix=prefix, source=name, buffers=_HF_BUFFERS)
@@ -307,7 +321,9 @@ def to_huggingface(model: GPT, **kwargs: Any) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     attn_implementation = kwargs.pop("attn_implementation", None)
-    config = GPT2Config(**{**config_to_huggingface(model.config), **kwargs})
+    # GPT-2's tokenizer's <|endoftext|> (50256) stays the default where the vocabulary holds it.
+    ids = convert_llama.token_ids(model.config.vocab_size, kwargs, {"bos_token_id": 50256, "eos_token_id": 50256})
+    config = GPT2Config(**{**config_to_huggingface(model.config), **kwargs, **ids})
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     hf = GPT2LMHeadModel(config).to(model.tok.weight.dtype)
@@ -328,7 +344,13 @@ def _nanogpt_state(source: Any) -> tuple[dict[str, Tensor], dict[str, Any] | Non
     name = "nanoGPT checkpoint"
     if isinstance(source, (str, Path)):
         name = str(source)
-        source = torch.load(str(source), map_location="cpu", weights_only=True)
+        try:
+            source = torch.load(str(source), map_location="cpu", weights_only=True)
+        except (RuntimeError, pickle.UnpicklingError, EOFError) as exc:
+            # A truncated zip archive is torch's RuntimeError, an empty or text file pickle's errors.
+            lines = str(exc).strip().splitlines()
+            raise CheckpointError(f"{name}: not a nanoGPT checkpoint (torch.load: "
+                                  f"{lines[0] if lines else type(exc).__name__})") from None
     if not isinstance(source, Mapping):
         raise TypeError(f"from_nanogpt takes a checkpoint dict, a path to one, or a state_dict; got {type(source).__name__}")
     if "model" in source and isinstance(source["model"], Mapping):
@@ -354,15 +376,29 @@ def from_nanogpt(source: Any, *, n_heads: int | None = None) -> GPT:
         lacking = sorted(_NANO_ARGS - {"bias", "dropout"} - set(args))  # bias and dropout have defaults
         if lacking:
             raise CheckpointError(f"{name}: model_args lacks {lacking} (nanoGPT's are {sorted(_NANO_ARGS)})")
-        if n_heads is not None and n_heads != args.get("n_head"):
-            raise CheckpointError(f"n_heads={n_heads} contradicts model_args n_head={args.get('n_head')}")
-        n_embd, n_head = int(args["n_embd"]), int(args["n_head"])
-        if n_embd % n_head != 0:
+        options = convert_llama.HfOptions(args, source=f"{name}: model_args")
+        n_embd, n_head = options.integer("n_embd"), options.integer("n_head")
+        if n_heads is not None and n_heads != n_head:
+            raise CheckpointError(f"n_heads={n_heads} contradicts model_args n_head={n_head}")
+        if n_head <= 0 or n_embd % n_head != 0:
             raise CheckpointError(f"{name}: model_args n_head={n_head} does not divide n_embd={n_embd}")
-        p = float(args.get("dropout", 0.0))
-        config = GPTConfig(vocab_size=int(args["vocab_size"]), max_len=int(args["block_size"]), dim=n_embd,
-                           n_layers=int(args["n_layer"]), n_heads=n_head, bias=bool(args.get("bias", True)),
-                           attn_dropout=p, resid_dropout=p, embd_dropout=p)
+        p = options.number("dropout", 0.0)
+        try:
+            config = GPTConfig(vocab_size=options.integer("vocab_size"), max_len=options.integer("block_size"),
+                               dim=n_embd, n_layers=options.integer("n_layer"), n_heads=n_head,
+                               bias=options.boolean("bias", True), attn_dropout=p, resid_dropout=p, embd_dropout=p)
+        except ValueError as exc:  # a value out of range: GPTConfig's message, naming its field
+            raise CheckpointError(f"{name}: model_args: {exc}") from None
+        c = config
+        # Before the model is built: model_args against the tensors, naming the option.
+        check_sizes(state, [(prefix + "wte.weight", (c.vocab_size, c.dim), f"model_args vocab_size={c.vocab_size}, "
+                             f"n_embd={c.dim}"),
+                            (prefix + "wpe.weight", (c.max_len, c.dim), f"model_args block_size={c.max_len}, "
+                             f"n_embd={c.dim}"),
+                            (prefix + "h.0.mlp.c_fc.weight", (c.hidden, c.dim), f"model_args n_embd={c.dim}: "
+                             "nanoGPT's MLP is 4 * n_embd wide")],
+                    layer_keys=re.compile(re.escape(prefix) + r"h\.(\d+)\."), n_layers=c.n_layers,
+                    layers_option=f"model_args n_layer={c.n_layers}", source=name)
     else:
         config = GPTConfig(**_config_from_shapes(state, prefix, n_heads, transpose=False, source=name))
     if prefix + "lm_head.weight" in state:
@@ -405,6 +441,28 @@ def nanogpt_model_args(model: GPT) -> dict[str, Any]:
 # python -m causal_attention convert
 
 
+def _source_token_ids(src: Path, source_format: str, vocab_size: int) -> dict[str, int]:
+    """The bos/eos token ids src names for its model: a GPT.save directory's tokenizer.json (the
+    demo's: bos_id, eos_id), a save_pretrained directory's config.json; only ids in its vocabulary."""
+    path, keys = {"ours": (src / "tokenizer.json", ("bos_id", "eos_id")),
+                  "huggingface": (src / "config.json", ("bos_token_id", "eos_token_id"))}.get(source_format, (None, ()))
+    if path is None or not path.is_file():
+        return {}
+    try:
+        values = json.loads(path.read_text())
+    except ValueError:
+        return {}  # not ours to judge: the model was read without it
+    out = {}
+    for key, target in zip(keys, _TOKEN_ID_KEYS):
+        value = values.get(key) if isinstance(values, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size:
+            out[target] = value
+    return out
+
+
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id")
+
+
 def convert(src: Path, out: Path, *, source_format: str, target_format: str = "ours", n_heads: int | None = None) -> GPT:
     """Reads src (huggingface: a save_pretrained directory; nanogpt: a ckpt.pt or state dict file;
     ours: a GPT.save directory) and writes out in target_format; prints what it wrote."""
@@ -420,7 +478,8 @@ def convert(src: Path, out: Path, *, source_format: str, target_format: str = "o
         save(model, out)
         written = [out / "model.safetensors", out / "config.json"]
     elif target_format == "huggingface":
-        to_huggingface(model).save_pretrained(str(out))
+        ids = _source_token_ids(src, source_format, model.config.vocab_size)
+        to_huggingface(model, **ids).save_pretrained(str(out))
         written = sorted(out.iterdir())
     elif target_format == "nanogpt":
         checkpoint = {"model": to_nanogpt_state_dict(model), "model_args": nanogpt_model_args(model)}

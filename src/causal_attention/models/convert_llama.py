@@ -11,6 +11,7 @@ missing, unexpected or misshapen tensor.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -18,12 +19,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .checkpoint import CheckpointError, load_strict
-from .config import LLAMA_DEFAULTS, GPTConfig
+from .checkpoint import CheckpointError, check_sizes, load_strict
+from .config import LLAMA_DEFAULTS, GPTConfig, _json_text
 from .gpt import GPT
 
-__all__ = ["LLAMA_DEFAULTS", "MODEL_TYPES", "config_from_huggingface_llama", "config_to_huggingface_llama",
-           "from_huggingface_llama", "is_llama_family", "to_huggingface_llama", "to_huggingface_state_dict_llama"]
+__all__ = ["LLAMA_DEFAULTS", "MODEL_TYPES", "HfOptions", "config_from_huggingface_llama",
+           "config_to_huggingface_llama", "from_huggingface_llama", "is_llama_family", "to_huggingface_llama",
+           "to_huggingface_state_dict_llama"]
 
 #: model_type -> the ForCausalLM class names it is read from.
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -31,91 +33,187 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistra
 _BUFFERS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
-def _rope(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from transformers' rope_parameters (v5) or rope_theta / rope_scaling."""
-    params = dict(hf.get("rope_parameters") or {})
-    legacy = hf.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    kind = params.get("rope_type", params.get("type", legacy.get("rope_type", legacy.get("type", "default"))))
-    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if factor not in (None, 1, 1.0):
-        raise CheckpointError(f"partial_rotary_factor={factor} is not supported (GPT rotates the whole head)")
+_REQUIRED = object()
+
+
+class HfOptions:
+    """config.json's values read as transformers' config classes hold them, with C++'s HfConfig
+    rules and messages: an absent or null key takes the default (none given: "missing option"); a
+    value of another JSON type is a CheckpointError naming the key (a string "64" is not an int)."""
+
+    def __init__(self, values: Mapping[str, Any], *, source: str | None = None) -> None:
+        self.values, self._prefix = values, "" if source is None else f"{source}: "
+
+    def has(self, key: str) -> bool:
+        return self.values.get(key) is not None
+
+    def error(self, what: str) -> CheckpointError:
+        return CheckpointError(self._prefix + what)
+
+    def _value(self, key: str, default: Any) -> Any:
+        if self.has(key):
+            return self.values[key]
+        if default is _REQUIRED:
+            raise self.error(f"missing option {key}")
+        return default
+
+    def _wrong(self, key: str, what: str) -> CheckpointError:
+        return self.error(f"{key} must be {what}; got {_json_text(self.values[key])}")
+
+    def integer(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._value(key, default)
+        if not self.has(key):
+            return value
+        # A whole number written as a float (32.0) is read as Python's int() (and C++) reads it.
+        if isinstance(value, float) and math.isfinite(value) and value == int(value) and abs(value) < 9.0e18:
+            return int(value)
+        if not isinstance(value, int) or isinstance(value, bool) or not -(2**63) <= value < 2**63:
+            raise self._wrong(key, "an int")
+        return value
+
+    def number(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._value(key, default)
+        if self.has(key) and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise self._wrong(key, "a number")
+        return None if value is None else float(value)
+
+    def boolean(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._value(key, default)
+        if self.has(key) and not isinstance(value, bool):
+            raise self._wrong(key, "true or false")
+        return value
+
+    def text(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._value(key, default)
+        if self.has(key) and not isinstance(value, str):
+            raise self._wrong(key, "a string")
+        return value
+
+    def object(self, key: str) -> dict[str, Any]:
+        """A nested object (rope_parameters), {} where absent or null."""
+        value = self._value(key, {})
+        if not isinstance(value, Mapping):
+            raise self._wrong(key, "an object")
+        return dict(value)
+
+
+def _rope(hf: HfOptions) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) as transformers (4 and 5) reads them: rope_scaling, where given,
+    replaces rope_parameters (its rope_theta included), else rope_parameters (v5); a theta not in the
+    chosen object is the top-level rope_theta, else 10000."""
+    params, legacy = hf.object("rope_parameters"), hf.object("rope_scaling")
+    chosen, name = (legacy, "rope_scaling") if legacy else (params, "rope_parameters")
+    theta = chosen.get("rope_theta")
+    if theta is None:
+        theta = hf.number("rope_theta", 10000.0)
+    elif isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise hf.error(f"{name}.rope_theta must be a number")
+    kind = chosen.get("rope_type", chosen.get("type")) or "default"
+    factor = chosen.get("partial_rotary_factor", hf.values.get("partial_rotary_factor"))
+    if factor is not None and (isinstance(factor, bool) or factor != 1):
+        raise hf.error(f"partial_rotary_factor={_json_text(factor)} is not supported (GPT rotates the whole head)")
     if kind == "default":
-        return theta, None
+        return float(theta), None
     if kind != "llama3":
-        raise CheckpointError(f"rope type {kind!r} is not supported (GPT implements 'default' and 'llama3')")
-    source = params if "factor" in params else legacy
+        raise hf.error(f"rope type {kind!r} is not supported (GPT implements 'default' and 'llama3')")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [k for k in keys if k not in source]
+    missing = [k for k in keys if k not in chosen]
     if missing:
-        raise CheckpointError(f"rope type 'llama3' needs {missing}")
-    return theta, {"rope_type": "llama3", **{k: source[k] for k in keys}}
+        raise hf.error(f"rope type 'llama3' needs {missing}")
+    return float(theta), {"rope_type": "llama3", **{k: chosen[k] for k in keys}}
 
 
-def config_from_huggingface_llama(hf: Mapping[str, Any]) -> GPTConfig:
-    """GPTConfig from a LlamaConfig / Qwen2Config / MistralConfig (as a dict)."""
-    model_type = hf.get("model_type")
+def config_from_huggingface_llama(values: Mapping[str, Any], *, source: str | None = None) -> GPTConfig:
+    """GPTConfig from a LlamaConfig / Qwen2Config / MistralConfig (as a dict); errors name source
+    (config.json's path) where given."""
+    hf = HfOptions(values, source=source)
+    model_type = hf.values.get("model_type")
     if model_type not in MODEL_TYPES:
-        raise CheckpointError(f"model_type {model_type!r} is not a Llama-family model ({sorted(MODEL_TYPES)})")
-    dim, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    kv_heads = int(hf.get("num_key_value_heads") or heads)
-    if dim % heads != 0:
-        raise CheckpointError(f"num_attention_heads={heads} does not divide hidden_size={dim}")
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and int(head_dim) != dim // heads:
-        raise CheckpointError(f"head_dim={head_dim} is not supported (GPT's head_dim is hidden_size / "
-                              f"num_attention_heads = {dim // heads})")
-    act = hf.get("hidden_act", "silu")
+        raise hf.error(f"model_type {model_type!r} is not a Llama-family model ({sorted(MODEL_TYPES)})")
+    dim, heads = hf.integer("hidden_size"), hf.integer("num_attention_heads")
+    kv_heads = hf.integer("num_key_value_heads", 0) or heads  # 0 and null mean multi-head
+    if heads <= 0 or dim % heads != 0:
+        raise hf.error(f"num_attention_heads={heads} does not divide hidden_size={dim}")
+    if hf.has("head_dim") and hf.integer("head_dim") != dim // heads:
+        raise hf.error(f"head_dim={hf.integer('head_dim')} is not supported (GPT's head_dim is hidden_size / "
+                       f"num_attention_heads = {dim // heads})")
+    act = hf.text("hidden_act", "silu")
     if act != "silu":
-        raise CheckpointError(f"hidden_act={act!r} is not supported (the Llama family's SwiGLU uses 'silu')")
-    if int(hf.get("pretraining_tp", 1) or 1) != 1:
-        raise CheckpointError(f"pretraining_tp={hf['pretraining_tp']} is not supported (1: the plain projections)")
+        raise hf.error(f"hidden_act={act!r} is not supported (the Llama family's SwiGLU uses 'silu')")
+    if hf.integer("pretraining_tp", 1) != 1:
+        raise hf.error(f"pretraining_tp={hf.integer('pretraining_tp')} is not supported (1: the plain projections)")
     theta, scaling = _rope(hf)
+    n_layers = hf.integer("num_hidden_layers")
     window = None
     if model_type == "mistral":
-        window = hf.get("sliding_window")
-    elif (model_type == "qwen2" and hf.get("use_sliding_window")
-          and int(hf.get("max_window_layers", 0)) < int(hf["num_hidden_layers"])):
+        window = hf.integer("sliding_window", None)
+    elif (model_type == "qwen2" and hf.boolean("use_sliding_window", False)
+          and hf.integer("max_window_layers", 0) < n_layers):
         # Qwen2 windows the layers from max_window_layers on; with none of them, every layer is full.
-        raise CheckpointError("use_sliding_window=True is not supported for Qwen2 (per-layer windows from "
-                              f"max_window_layers={hf.get('max_window_layers')})")
-    layer_types = hf.get("layer_types")
+        raise hf.error("use_sliding_window=True is not supported for Qwen2 (per-layer windows from "
+                       f"max_window_layers={hf.integer('max_window_layers', 0)})")
+    layer_types = hf.values.get("layer_types")
     if layer_types:
-        kinds = set(layer_types)
+        if not isinstance(layer_types, list):
+            raise hf.error("layer_types must be a list")
+        kinds = set(map(str, layer_types))
         expected = {"sliding_attention"} if window is not None else {"full_attention"}
         if kinds != expected:
-            raise CheckpointError(f"layer_types {sorted(kinds)} are not supported (every layer must be "
-                                  f"{next(iter(expected))!r})")
+            raise hf.error(f"layer_types {sorted(kinds)} are not supported (every layer must be "
+                           f"{next(iter(expected))!r})")
     if model_type == "qwen2":
         qkv_bias, proj_bias, mlp_bias = True, False, False
     elif model_type == "llama":
-        qkv_bias = proj_bias = bool(hf.get("attention_bias", False))
-        mlp_bias = bool(hf.get("mlp_bias", False))
+        qkv_bias = proj_bias = hf.boolean("attention_bias", False)
+        mlp_bias = hf.boolean("mlp_bias", False)
     else:
         qkv_bias = proj_bias = mlp_bias = False
     return GPTConfig(
-        vocab_size=int(hf["vocab_size"]),
-        max_len=int(hf.get("max_position_embeddings", 2048)),
+        vocab_size=hf.integer("vocab_size"),
+        max_len=hf.integer("max_position_embeddings", 2048),
         dim=dim,
-        n_layers=int(hf["num_hidden_layers"]),
+        n_layers=n_layers,
         n_heads=heads,
         n_kv_heads=None if kv_heads == heads else kv_heads,
-        mlp_hidden=int(hf["intermediate_size"]),
-        layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        mlp_hidden=hf.integer("intermediate_size"),
+        layer_norm_eps=hf.number("rms_norm_eps", 1e-6),
         activation="silu",
         bias=False,
         qkv_bias=qkv_bias or None,
         proj_bias=proj_bias or None,
         mlp_bias=mlp_bias or None,
-        tie_head=bool(hf.get("tie_word_embeddings", False)),
-        attn_dropout=float(hf.get("attention_dropout", 0.0)),
+        tie_head=hf.boolean("tie_word_embeddings", False),
+        attn_dropout=hf.number("attention_dropout", 0.0),
         norm="rmsnorm",
         gated_mlp=True,
         positions="rope",
         rope_theta=theta,
         rope_scaling=scaling,
-        sliding_window=None if window is None else int(window),
+        sliding_window=window,
     )
+
+
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id")
+
+
+def token_ids(vocab_size: int, kwargs: Mapping[str, Any], defaults: Mapping[str, int]) -> dict[str, int | None]:
+    """bos_token_id and eos_token_id for a transformers config: the caller's (in kwargs; None or an
+    id in 0..vocab_size-1, else a CheckpointError naming it), else defaults' where the vocabulary
+    holds it, else None. transformers' class defaults (GPT-2's 50256, Llama's 1 and 2) are ids of
+    their tokenizers: written for a 13-token model they would point past its vocabulary."""
+    out: dict[str, int | None] = {}
+    for key in _TOKEN_ID_KEYS:
+        if key in kwargs:
+            value = kwargs[key]
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value < vocab_size):
+                raise CheckpointError(f"{key} must be None or a token id in 0..vocab_size-1 = 0..{vocab_size - 1}; "
+                                      f"got {value!r}")
+            out[key] = value
+        else:
+            default = defaults.get(key)
+            out[key] = default if default is not None and 0 <= default < vocab_size else None
+    return out
 
 
 def is_llama_family(config: GPTConfig) -> bool:
@@ -168,6 +266,13 @@ def _pairs(config: GPTConfig) -> list[tuple[str, tuple[str, ...]]]:
 
 def from_huggingface_llama(state: Mapping[str, Tensor], config: GPTConfig, source: str) -> GPT:
     """A GPT for config holding a Llama-family state_dict (their names), every tensor checked."""
+    c = config
+    check_sizes(state, [("model.embed_tokens.weight", (c.vocab_size, c.dim), f"vocab_size={c.vocab_size}, "
+                         f"hidden_size={c.dim}"),
+                        ("model.layers.0.mlp.gate_proj.weight", (c.hidden, c.dim),
+                         f"intermediate_size={c.hidden}, hidden_size={c.dim}")],
+                layer_keys=re.compile(r"model\.layers\.(\d+)\."), n_layers=c.n_layers,
+                layers_option=f"num_hidden_layers={c.n_layers}", source=source)
     ours: dict[str, Tensor] = {}
     origin: dict[str, tuple[str, bool]] = {}
     used: set[str] = set()
@@ -243,7 +348,7 @@ def to_huggingface_llama(model: GPT, **kwargs: Any) -> Any:
     name = MODEL_TYPES[model_type]
     config_class = getattr(transformers, name.replace("ForCausalLM", "Config"))
     attn_implementation = kwargs.pop("attn_implementation", None)
-    config = config_class(**{**values, **kwargs})
+    config = config_class(**{**values, **kwargs, **token_ids(model.config.vocab_size, kwargs, {})})
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     hf = getattr(transformers, name)(config).to(model.tok.weight.dtype)

@@ -235,8 +235,14 @@ class GPT(nn.Module):
     def make_caches(self, batch_size: int, max_len: int | None = None) -> list[KVCache]:
         """One empty KV cache per layer. On the CPU the model's weights are also moved onto huge
         pages in place where they span one (advise_huge_pages): a decode step streams them all."""
+        if max_len is None:
+            max_len = self.config.max_len
+        elif not isinstance(max_len, int) or isinstance(max_len, bool) or not 0 < max_len <= self.config.max_len:
+            # Positions past config.max_len do not exist (no position embedding, no trained rotary
+            # range): a longer cache would only hold memory no step can use.
+            raise ValueError(f"max_len must be an int in 1..config.max_len={self.config.max_len}; got {max_len!r}")
         advise_huge_pages(self.parameters())
-        return [b.attn.make_cache(batch_size, max_len or self.config.max_len) for b in self.blocks]
+        return [b.attn.make_cache(batch_size, max_len) for b in self.blocks]
 
     def _embed(self, tokens: Tensor, caches: list[KVCache] | None) -> tuple[Tensor, Rotary | None]:
         """tokens (B, T) -> (embeddings (B, T, dim), rotary cos and sin (B, T, hd) or None), at
@@ -412,6 +418,15 @@ class GPT(nn.Module):
         # The C++ GenerateOptions' rule and message: 0 is not greedy (top_k=None is).
         if not temperature > 0:
             raise ValueError(f"temperature must be positive; got {temperature}")
+        V = self.config.vocab_size
+        # Token ids are checked here, naming the argument (the forward's own check can only say "tokens").
+        eos_id = None if eos_id is None else _token_id("eos_id", eos_id, V)
+        pad_id = _token_id("pad_id", pad_id, V)
+        for b, prompt in enumerate(prompts):
+            bad = next((t for t, token in enumerate(prompt) if not 0 <= token < V), None)
+            if bad is not None:
+                raise ValueError(f"prompts[{b}][{bad}] = {prompt[bad]} is not a token id: token ids are in "
+                                 f"0..vocab_size-1 = 0..{V - 1}")
         device = self.tok.weight.device
         lengths = torch.tensor([len(p) for p in prompts], device=device)  # (B,)
         B, longest = len(prompts), int(lengths.max())
@@ -507,6 +522,19 @@ class _Picks:
 
     def all_done(self) -> bool:
         return bool(self.done.all())
+
+
+def _token_id(name: str, value: Any, vocab_size: int) -> int:
+    """generate's eos_id / pad_id as an int in 0..vocab_size-1, or a ValueError naming it."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        token = operator.index(value)
+    except TypeError:
+        token = None
+    if token is None or not 0 <= token < vocab_size:
+        raise ValueError(f"{name} must be a token id in 0..vocab_size-1 = 0..{vocab_size - 1}; got {value!r}")
+    return token
 
 
 def _token_lists(prompts: Any) -> list[list[int]]:

@@ -69,10 +69,15 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     parser = argparse.ArgumentParser(prog="python -m causal_attention", description=__doc__,
                                      formatter_class=_HelpFormatter)
     parser.add_argument("--threads", type=_positive, default=None, help="torch threads (default: torch's)")
+    # --threads after the command too; SUPPRESS keeps a value given before it when none is given after.
+    threads = argparse.ArgumentParser(add_help=False)
+    threads.add_argument("--threads", type=_positive, default=argparse.SUPPRESS,
+                         help="torch threads (also accepted before the command)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
-        return commands.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter)
+        return commands.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter,
+                                   parents=[threads])
 
     adders = {"check": _add_check, "bench": _add_bench, "bench-transformers": _add_bench_transformers,
               "bench-deploy": _add_bench_deploy, "bench-half": _add_bench_half,
@@ -205,6 +210,11 @@ def main(argv: list[str] | None = None) -> None:
         _check_demo_paths(parsers["demo"], args)
     if args.command == "convert":
         _check_convert_source(parsers["convert"], args)
+    # Output paths are checked before any work: a run must not fail at its end on where it writes.
+    for option, kind in _OUTPUTS.get(args.command, ()):
+        problem = _output_problem(getattr(args, option), directory=kind == "directory")
+        if problem is not None:
+            _fail(parsers[args.command], f"--{option.replace('_', '-')} {getattr(args, option)}: {problem}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     runners = {"check": _run_check, "bench": _run_bench, "bench-transformers": _run_bench_transformers,
@@ -310,25 +320,60 @@ def _convert_error(args: argparse.Namespace, exc: BaseException) -> str:
     return text if str(args.src) in text else f"{args.src}: {text}"
 
 
+# Each command's output paths (options whose value may be None are skipped): a file, or a
+# directory (created if missing).
+_OUTPUTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "check": (("json", "file"),),
+    "bench": (("json", "file"), ("plot", "file")),
+    "bench-transformers": (("out", "directory"),),
+    "bench-deploy": (("out", "directory"),),
+    "bench-half": (("out", "directory"),),
+    "bench-llama-cpp": (("out", "directory"), ("work", "directory")),
+}
+
+
+def _output_problem(path: Path | None, *, directory: bool) -> str | None:
+    """Why path cannot be written (a file where a directory must be, or the reverse, in path or a
+    parent), or None."""
+    if path is None:
+        return None
+    if path.exists():
+        if directory and not path.is_dir():
+            return "is a file; expected a directory (created if missing)"
+        if not directory and path.is_dir():
+            return "is a directory; expected a file name"
+        return None
+    for parent in path.parents:
+        if parent.exists():
+            return None if parent.is_dir() else f"{parent} is a file, so nothing can be written under it"
+    return None
+
+
 def _check_demo_paths(demo: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--load must be a saved model's directory; --out must not be a file (checked before training)."""
+    """--load must be a saved model's directory; --out must be one that can be made (checked before training)."""
     if args.load is not None and not args.load.is_dir():
-        demo.error(f"--load {args.load}: {'not a directory' if args.load.exists() else 'not found'}; "
-                   "expected the --out directory of a demo run")
-    if args.load is None and args.out.exists() and not args.out.is_dir():
-        demo.error(f"--out {args.out}: is a file; expected a directory (created if missing)")
+        _fail(demo, f"--load {args.load}: {'not a directory' if args.load.exists() else 'not found'}; "
+              "expected the --out directory of a demo run")
+    problem = _output_problem(args.out, directory=True) if args.load is None else None
+    if problem is not None:
+        _fail(demo, f"--out {args.out}: {problem}")
 
 
 def _check_convert_source(convert: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """SRC's kind for its format: a nanoGPT checkpoint is a file, the others are directories."""
+    """SRC's kind for its format: a nanoGPT checkpoint is a file, the others are directories; --out
+    a directory (--to nanogpt: a .pt file, or a directory for ckpt.pt)."""
     src: Path = args.src
     if not src.exists():
-        convert.error(f"SRC {src}: not found")
+        _fail(convert, f"SRC {src}: not found")
     if args.source_format == "nanogpt" and not src.is_file():
-        convert.error(f"SRC {src}: is a directory; --from nanogpt takes a checkpoint file (nanoGPT's ckpt.pt)")
+        _fail(convert, f"SRC {src}: is a directory; --from nanogpt takes a checkpoint file (nanoGPT's ckpt.pt)")
     if args.source_format != "nanogpt" and not src.is_dir():
         what = "a save_pretrained directory" if args.source_format == "huggingface" else "a GPT.save directory"
-        convert.error(f"SRC {src}: is a file; --from {args.source_format} takes {what}")
+        _fail(convert, f"SRC {src}: is a file; --from {args.source_format} takes {what}")
+    out: Path = args.out
+    problem = _output_problem(out, directory=not (args.target_format == "nanogpt" and out.suffix == ".pt"))
+    if problem is not None:
+        _fail(convert, f"--out {out}: {problem}")
 
 
 if __name__ == "__main__":
