@@ -54,8 +54,9 @@ void GPTConfig::validate() const {
     throw std::invalid_argument(
         concat("GPTConfig.activation must be 'gelu', 'gelu_tanh' or 'silu'; got '", activation, "'"));
   }
-  if (!(layer_norm_eps > 0)) {
-    throw std::invalid_argument(concat("GPTConfig.layer_norm_eps must be a positive float; got ", layer_norm_eps));
+  if (!(std::isfinite(layer_norm_eps) && layer_norm_eps > 0)) {  // inf makes every norm's output 0
+    throw std::invalid_argument(
+        concat("GPTConfig.layer_norm_eps must be a positive finite float; got ", layer_norm_eps));
   }
   const std::pair<const char*, double> probabilities[] = {
       {"attn_dropout", attn_dropout}, {"resid_dropout", resid_dropout}, {"embd_dropout", embd_dropout}};
@@ -84,8 +85,8 @@ void GPTConfig::validate() const {
   if (positions == "rope" && head_dim() % 2 != 0) {
     throw std::invalid_argument(concat("GPTConfig: rotary positions need an even head_dim; got ", head_dim()));
   }
-  if (!(rope_theta > 0)) {
-    throw std::invalid_argument(concat("GPTConfig.rope_theta must be a positive number; got ", rope_theta));
+  if (!(std::isfinite(rope_theta) && rope_theta > 0)) {
+    throw std::invalid_argument(concat("GPTConfig.rope_theta must be a positive finite number; got ", rope_theta));
   }
   if (rope_scaling.has_value()) {
     if (positions != "rope") throw std::invalid_argument("GPTConfig.rope_scaling needs positions='rope'");

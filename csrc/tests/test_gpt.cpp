@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -218,6 +219,39 @@ TEST(GPT, BuiltInADtype) {
   for (const auto& p : half_again->named_parameters()) {
     if (p.key() == "tok.weight" || p.key() == "pos.weight") continue;
     EXPECT_TRUE(torch::equal(p.value(), float_again->named_parameters()[p.key()].to(torch::kBFloat16))) << p.key();
+  }
+}
+
+// Non-finite epsilons and thetas pass "> 0" but make every norm 0 or the rotary angles NaN: refused, as in Python.
+TEST(GPTConfig, NonFiniteEpsilonAndThetaAreRefused) {
+  for (const double bad : {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+    auto config = small_config();
+    config.layer_norm_eps = bad;
+    EXPECT_THROW(
+        {
+          try {
+            config.validate();
+          } catch (const std::invalid_argument& e) {
+            EXPECT_NE(std::string(e.what()).find("GPTConfig.layer_norm_eps must be a positive finite float"),
+                      std::string::npos);
+            throw;
+          }
+        },
+        std::invalid_argument);
+    config = small_config();
+    config.positions = "rope";
+    config.rope_theta = bad;
+    EXPECT_THROW(
+        {
+          try {
+            config.validate();
+          } catch (const std::invalid_argument& e) {
+            EXPECT_NE(std::string(e.what()).find("GPTConfig.rope_theta must be a positive finite number"),
+                      std::string::npos);
+            throw;
+          }
+        },
+        std::invalid_argument);
   }
 }
 

@@ -258,6 +258,7 @@ struct Arguments {
   bool bench = false;
   bool rounded_logits = false;
   bool tokenize = false;
+  bool no_eos = false;
   int bench_runs = 3;
 };
 
@@ -271,7 +272,9 @@ causal_attention::GenerateOptions generate_options(const Arguments& args, const 
       args.max_new_tokens.value_or(std::max<int64_t>(1, std::min<int64_t>(32, config.max_len - longest + 1)));
   options.top_k = args.top_k;
   options.temperature = args.temperature;
-  if (args.eos.has_value()) {
+  if (args.no_eos) {
+    // every sequence runs max_new_tokens (Python's eos_id=None)
+  } else if (args.eos.has_value()) {
     options.eos_id = args.eos;
   } else if (tokenizer && tokenizer->eos_id()) {
     options.eos_id = tokenizer->eos_id();
@@ -407,7 +410,7 @@ int run(const Arguments& args) {
   // default EOS; a transformers directory names its own.
   const auto tokenizer = Tokenizer::load(directory, config.vocab_size, !args.prompts.empty() || args.tokenize);
   // Read only where it decides: --eos and the demo's tokenizer come first.
-  const auto model_eos = args.eos.has_value() || (tokenizer && tokenizer->eos_id())
+  const auto model_eos = args.no_eos || args.eos.has_value() || (tokenizer && tokenizer->eos_id())
                              ? std::vector<int64_t>{}
                              : transformers_eos_ids(directory, config.vocab_size);
   std::vector<std::vector<int64_t>> prompts;
@@ -486,9 +489,11 @@ int main(int argc, char** argv) {
   app.add_option("--temperature", args.temperature, "divides the logits before top-k sampling; must be positive")
       ->capture_default_str();
   app.add_option("--seed", args.seed, "seed for top-k sampling (as torch.Generator().manual_seed)");
-  app.add_option("--eos", args.eos,
-                 "stop a sequence after this token id (default: the demo tokenizer's eos_id, or a transformers "
-                 "model's eos_token_id)");
+  auto* eos = app.add_option("--eos", args.eos,
+                              "stop a sequence after this token id (default: the demo tokenizer's eos_id, or a "
+                              "transformers model's eos_token_id)");
+  app.add_flag("--no-eos", args.no_eos, "no end token: every sequence gets --max-new-tokens (Python's eos_id=None)")
+      ->excludes(eos);
   app.add_option("--dump-logits", args.dump_logits,
                  "write prompt_tokens, prompt_mask, forward_logits, step_logits and generated to this safetensors file");
   app.add_flag("--rounded-logits", args.rounded_logits,

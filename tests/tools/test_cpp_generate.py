@@ -227,7 +227,7 @@ def test_bench_prints_tokens_per_second(demo_dir: tuple[GPT, Path]) -> None:
     out = run("--model", str(directory), "--prompt", "12345", "--bench", "--bench-runs", "2").stdout
     assert "tokens/s" in out.splitlines()[-2] and "best of 2 runs" in out
     out = run("--model", str(directory), "--prompt", "12345", "--bench", "--bench-runs", "1", "--threads", "1",
-              "--max-new-tokens", "6", "--eos", "99").stdout
+              "--max-new-tokens", "6", "--no-eos").stdout
     assert out.splitlines()[-2].endswith(" tokens/s (1 thread)") and "best of 1 run:" in out
     # The prompt (BOS, 5 digits, SEP) prefilled, then 5 decode steps after the first token.
     assert re.fullmatch(r"bench: prefill 7 tokens: [0-9.]+ tokens/s; decode 5 tokens: [0-9.]+ tokens/s",
@@ -400,6 +400,7 @@ def test_checkpoint_corpus(tmp_path: Path, case: dict) -> None:
         (["--model", "{dir}", "--tokens", "1", "--tokens", "39,40"], ["--tokens: id 40 (input 2)"]),
         (["--model", "{dir}", "--tokens", "1", "--eos", "40"], ["--eos: 40 is outside the model's vocabulary 0..39"]),
         (["--model", "{dir}", "--tokens", "1", "--eos=-1"], ["--eos: -1 is outside the model's vocabulary 0..39"]),
+        (["--model", "{dir}", "--tokens", "1", "--eos", "3", "--no-eos"], ["--eos excludes --no-eos"]),
         (["--model", "{dir}", "--tokens", "1", "--seed", str(2**64)],
          ["--seed: expected an integer in -9223372036854775808..18446744073709551615", str(2**64)]),
         (["--model", "{dir}", "--tokens", "1", "--seed=-9223372036854775809"], ["--seed: expected an integer"]),
