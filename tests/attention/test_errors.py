@@ -115,6 +115,40 @@ def test_x_on_another_device_than_the_parameters_names_both(attn):
         CausalSelfAttention(16, 4, device="meta")(torch.randn(2, 5, 16))
 
 
+def test_projections_that_make_their_weight_in_the_call_are_not_judged_by_it():
+    """A pre-hook that puts the weight in place (offloading: meta until the call; FSDP's unsharding), a
+    replaced forward (accelerate's hooks) or a parametrization: x is checked by the product itself, and
+    the parametrization runs once per forward, as before."""
+    ref = CausalSelfAttention(16, 4)
+    x = torch.randn(2, 5, 16)
+    expected = ref(x)
+
+    offloaded = CausalSelfAttention(16, 4)
+    offloaded.load_state_dict(ref.state_dict())
+    weight = offloaded.qkv.weight.detach().clone()
+    offloaded.qkv.weight = torch.nn.Parameter(torch.empty_like(weight, device="meta"))
+
+    def bring_back(module: torch.nn.Module, args: tuple) -> None:
+        module.weight = torch.nn.Parameter(weight)
+
+    offloaded.qkv.register_forward_pre_hook(bring_back)
+    assert torch.equal(offloaded(x), expected)
+
+    class Counting(torch.nn.Module):
+        calls = 0
+
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            Counting.calls += 1
+            return w
+
+    parametrized = CausalSelfAttention(16, 4)
+    parametrized.load_state_dict(ref.state_dict())
+    torch.nn.utils.parametrize.register_parametrization(parametrized.qkv, "weight", Counting())
+    Counting.calls = 0
+    assert torch.equal(parametrized(x), expected)
+    assert Counting.calls == 1
+
+
 def test_autocast_may_feed_x_of_another_dtype(attn):
     """Under autocast the projections cast x: float32 weights with bfloat16 x is what autocast runs."""
     x = torch.randn(2, 5, 16, dtype=torch.bfloat16)

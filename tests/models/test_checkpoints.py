@@ -746,11 +746,16 @@ def test_to_huggingface_writes_token_ids_of_the_vocabulary():
     assert (config.bos_token_id, config.eos_token_id) == (None, None)
     config = to_huggingface(small, bos_token_id=12, eos_token_id=11).config
     assert (config.bos_token_id, config.eos_token_id) == (12, 11)
-    with pytest.raises(CheckpointError, match=re.escape("eos_token_id must be None or a token id in "
-                                                        "0..vocab_size-1 = 0..12; got 13")):
+    with pytest.raises(CheckpointError, match=re.escape("eos_token_id must be None or a token id or a non-empty "
+                                                        "list of them in 0..vocab_size-1 = 0..12; got 13")):
         to_huggingface(small, eos_token_id=13)
     wide = GPT(GPTConfig(vocab_size=50257, max_len=8, dim=16, n_layers=1, n_heads=2, activation="gelu_tanh"))
     assert to_huggingface(wide).config.eos_token_id == 50256
+    # A list of end ids, as Llama 3's (transformers' generate stops at any of them)
+    assert to_huggingface(small, eos_token_id=[11, 3]).config.eos_token_id == [11, 3]
+    with pytest.raises(CheckpointError, match=re.escape("eos_token_id must be None or a token id or a non-empty "
+                                                        "list of them in 0..vocab_size-1 = 0..12; got [11, 13]")):
+        to_huggingface(small, eos_token_id=[11, 13])
 
 
 # ---------------------------------------------------------------------------------------------

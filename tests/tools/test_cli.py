@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 import subprocess
 import sys
@@ -409,7 +410,14 @@ def test_convert_to_huggingface_writes_the_models_own_token_ids(tmp_path: Path,
     cli.main(["convert", "--from", "ours", str(tmp_path / "m"), "--to", "huggingface", "--out", str(tmp_path / "bare")])
     (tmp_path / "m" / "tokenizer.json").write_text(json.dumps(demo.tokenizer_json()))
     cli.main(["convert", "--from", "ours", str(tmp_path / "m"), "--to", "huggingface", "--out", str(tmp_path / "demo")])
-    for name, expected in (("bare", (None, None)), ("demo", (demo.BOS, demo.EOS))):
+    # A save_pretrained source's list of end ids (Llama 3's) goes through, less ids past the vocabulary.
+    shutil.copytree(tmp_path / "demo", tmp_path / "llama3ish")
+    config_path = tmp_path / "llama3ish" / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "eos_token_id": [demo.EOS, 2, 99]}))
+    cli.main(["convert", "--from", "huggingface", str(tmp_path / "llama3ish"), "--to", "huggingface",
+              "--out", str(tmp_path / "listed")])
+    for name, expected in (("bare", (None, None)), ("demo", (demo.BOS, demo.EOS)),
+                           ("listed", (demo.BOS, [demo.EOS, 2]))):
         for file in ("config.json", "generation_config.json"):
             values = json.loads((tmp_path / name / file).read_text())
             assert (values.get("bos_token_id"), values.get("eos_token_id")) == expected, (name, file)

@@ -150,12 +150,18 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"x must have last dimension dim={self.dim}; got shape {tuple(x.shape)}")
         if not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor; got dtype {x.dtype}")
-        weight = getattr(self.qkv, "weight", None)
+        qkv = self.qkv
+        # Only a plain Linear's weight is what its product reads: hooks (FSDP, offloading), a replaced
+        # forward (accelerate) or a parametrization (its class changes) make or move it in the call.
+        if type(qkv) is not nn.Linear or qkv._forward_pre_hooks or "forward" in qkv.__dict__:
+            return
+        weight = qkv.weight
         if not isinstance(weight, Tensor) or not weight.is_floating_point():
-            return  # a quantized or wrapped projection checks its own input
+            return  # a quantized weight: the product checks its own input
         # Said here, naming x, where torch's own message names mat1 and mat2. Under autocast x may
         # legitimately differ from the weights' dtype (the projections cast it).
-        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)
+        if x.dtype != weight.dtype and not autocast:
             raise TypeError(f"x must have the layer's parameters' dtype {weight.dtype}; got x of dtype {x.dtype} "
                             "(convert one: layer.to(x.dtype) or x.to(dtype))")
         if x.device != weight.device:

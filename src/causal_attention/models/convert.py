@@ -441,9 +441,10 @@ def nanogpt_model_args(model: GPT) -> dict[str, Any]:
 # python -m causal_attention convert
 
 
-def _source_token_ids(src: Path, source_format: str, vocab_size: int) -> dict[str, int]:
+def _source_token_ids(src: Path, source_format: str, vocab_size: int) -> dict[str, int | list[int]]:
     """The bos/eos token ids src names for its model: a GPT.save directory's tokenizer.json (the
-    demo's: bos_id, eos_id), a save_pretrained directory's config.json; only ids in its vocabulary."""
+    demo's: bos_id, eos_id), a save_pretrained directory's config.json (eos also a list, as Llama
+    3's); only ids in its vocabulary."""
     path, keys = {"ours": (src / "tokenizer.json", ("bos_id", "eos_id")),
                   "huggingface": (src / "config.json", ("bos_token_id", "eos_token_id"))}.get(source_format, (None, ()))
     if path is None or not path.is_file():
@@ -452,11 +453,15 @@ def _source_token_ids(src: Path, source_format: str, vocab_size: int) -> dict[st
         values = json.loads(path.read_text())
     except ValueError:
         return {}  # not ours to judge: the model was read without it
-    out = {}
+    out: dict[str, int | list[int]] = {}
     for key, target in zip(keys, _TOKEN_ID_KEYS):
         value = values.get(key) if isinstance(values, dict) else None
-        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size:
+        if convert_llama.is_token_id(value, vocab_size):
             out[target] = value
+        elif target == "eos_token_id" and isinstance(value, list):
+            listed = [i for i in value if convert_llama.is_token_id(i, vocab_size)]
+            if listed:
+                out[target] = listed
     return out
 
 

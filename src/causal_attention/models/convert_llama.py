@@ -196,20 +196,29 @@ def config_from_huggingface_llama(values: Mapping[str, Any], *, source: str | No
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id")
 
 
-def token_ids(vocab_size: int, kwargs: Mapping[str, Any], defaults: Mapping[str, int]) -> dict[str, int | None]:
+def is_token_id(value: Any, vocab_size: int) -> bool:
+    """Whether value is an int id in 0..vocab_size-1."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
+
+
+def token_ids(vocab_size: int, kwargs: Mapping[str, Any],
+              defaults: Mapping[str, int]) -> dict[str, int | list[int] | None]:
     """bos_token_id and eos_token_id for a transformers config: the caller's (in kwargs; None or an
-    id in 0..vocab_size-1, else a CheckpointError naming it), else defaults' where the vocabulary
-    holds it, else None. transformers' class defaults (GPT-2's 50256, Llama's 1 and 2) are ids of
-    their tokenizers: written for a 13-token model they would point past its vocabulary."""
-    out: dict[str, int | None] = {}
+    id in 0..vocab_size-1, eos also a non-empty list of them as Llama 3's, else a CheckpointError
+    naming it), else defaults' where the vocabulary holds it, else None. transformers' class defaults
+    (GPT-2's 50256, Llama's 1 and 2) are ids of their tokenizers: written for a 13-token model they
+    would point past its vocabulary."""
+    out: dict[str, int | list[int] | None] = {}
     for key in _TOKEN_ID_KEYS:
         if key in kwargs:
             value = kwargs[key]
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or not 0 <= value < vocab_size):
-                raise CheckpointError(f"{key} must be None or a token id in 0..vocab_size-1 = 0..{vocab_size - 1}; "
+            listed = key == "eos_token_id" and isinstance(value, (list, tuple)) and len(value) > 0
+            ids = list(value) if listed else [value]
+            if value is not None and not all(is_token_id(i, vocab_size) for i in ids):
+                what = "a token id or a non-empty list of them" if key == "eos_token_id" else "a token id"
+                raise CheckpointError(f"{key} must be None or {what} in 0..vocab_size-1 = 0..{vocab_size - 1}; "
                                       f"got {value!r}")
-            out[key] = value
+            out[key] = ids if listed else value
         else:
             default = defaults.get(key)
             out[key] = default if default is not None and 0 <= default < vocab_size else None
