@@ -137,10 +137,6 @@ class HugePageAllocator final : public at::Allocator {
   void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
 };
 
-}  // namespace
-
-namespace {
-
 // huge_page_empty's memory; errors name caller.
 at::Tensor empty_on_huge_pages(at::IntArrayRef size, at::ScalarType dtype, const char* caller) {
   for (const int64_t s : size) {
