@@ -573,7 +573,7 @@ TEST(Parameters, DtypeAndSkippedInitialisation) {
   torch::manual_seed(21);
   CausalSelfAttention half(CausalSelfAttentionOptions(options).dtype(torch::kBFloat16));
   for (const auto& p : plain->named_parameters()) {
-    const auto& h = half->named_parameters()[p.key()];
+    const auto h = half->named_parameters()[p.key()];  // (a copy: the dict is a temporary)
     EXPECT_EQ(h.scalar_type(), torch::kBFloat16) << p.key();
     EXPECT_TRUE(torch::equal(h, p.value().to(torch::kBFloat16))) << p.key();
   }
@@ -585,7 +585,7 @@ TEST(Parameters, DtypeAndSkippedInitialisation) {
   EXPECT_TRUE(torch::equal(drawn_after, torch::randn({8}))) << "Init::kSkip drew from the generator";
   ASSERT_EQ(skipped->named_parameters().size(), plain->named_parameters().size());
   for (const auto& p : plain->named_parameters()) {
-    const auto& s = skipped->named_parameters()[p.key()];
+    const auto s = skipped->named_parameters()[p.key()];
     EXPECT_EQ(s.scalar_type(), torch::kHalf) << p.key();
     EXPECT_EQ(s.sizes(), p.value().sizes()) << p.key();
     EXPECT_TRUE(s.requires_grad()) << p.key();
