@@ -23,7 +23,9 @@ transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from causal_attention.attention import _ops  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from causal_attention.attention import _ops, reference  # noqa: E402
 from causal_attention.integrations import huggingface as hf_attention  # noqa: E402
 from helpers import rel_err  # noqa: E402
 
@@ -380,6 +382,46 @@ def test_mask_function_hands_on_the_keys_each_call_sees() -> None:
     theirs = sdpa_mask(batch_size=2, q_length=1, kv_length=4, q_offset=3, attention_mask=decode,
                        mask_function=bidirectional_mask_function)
     assert ours is not None and ours.dtype == torch.bool and torch.equal(ours, theirs)
+
+
+class _DispatchedOps(TorchDispatchMode):
+    """The ATen and engine ops dispatched while active, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("filled", [9, 6])
+def test_a_decode_step_dispatches_the_engine_op_alone(filled: int) -> None:
+    """A served decode step (eager, nothing to differentiate) dispatches the engine's op and no other
+    tensor op (each one costs tens of microseconds right after a step streamed the cache): the engine
+    mask carries its key mask, and keys are cut to the filled slots only where some are unfilled. A copy
+    of the mask, which does not carry it, is read through its bytes to the same output."""
+    B, H, Hkv, Tk, hd = 2, 4, 2, 9, 16
+    padding = torch.ones(B, filled, dtype=torch.bool)
+    padding[0, :3] = False
+    mask = hf_attention.key_padding_mask(B, 1, Tk, q_offset=filled - 1, attention_mask=padding)
+    module = torch.nn.Module()
+    module.is_causal = True
+    q = torch.randn(B, 1, H, hd).transpose(1, 2)
+    k, v = torch.randn(B, Hkv, Tk, hd), torch.randn(B, Hkv, Tk, hd)
+    with torch.no_grad():
+        with _DispatchedOps() as dispatched:
+            out, _ = hf_attention.causal_attention_forward(module, q, k, v, mask, scaling=0.25)
+        copied, _ = hf_attention.causal_attention_forward(module, q, k, v, mask.clone(), scaling=0.25)
+    expected = ["causal_attention.attention_heads_forward.default"]
+    if filled < Tk:
+        expected = ["aten.slice.Tensor"] * 2 + expected  # the two narrows
+    assert dispatched.names == expected
+    assert torch.equal(copied, out)
+    want = reference.attention(q.double(), k[:, :, :filled].double(), v[:, :, :filled].double(), key_mask=padding,
+                               scale=0.25)[0].transpose(1, 2)  # (B, Tq, H, hd)
+    assert rel_err(out.double(), want) < 1e-5
 
 
 def test_generate_matches_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -304,12 +304,13 @@ def attention_heads(
     if dropout_p > 0 and seed is None:
         seed = draw_seed()
     seed = seed if dropout_p > 0 else None
-    if not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, v, sinks))):
+    if not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad))):
         # Nothing to differentiate (generate's decode steps): the op alone, without autograd.Function's
-        # bookkeeping (0.1 ms a call, as much as a short decode step's attention).
-        return torch.ops.causal_attention.attention_heads_forward(q, k, v, key_mask, scale, window, softcap,
-                                                                  dropout_p, seed, sinks)[0]
+        # bookkeeping (0.1 ms a call, as much as a short decode step's attention), by its overload (the
+        # packet's resolution costs as much again right after a step streamed the cache).
+        return torch.ops.causal_attention.attention_heads_forward.default(q, k, v, key_mask, scale, window, softcap,
+                                                                          dropout_p, seed, sinks)[0]
     out, _lse = _HeadsFunction.apply(q, k, v, key_mask, scale, window, softcap, dropout_p, seed, sinks)
     return out
 

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ..attention import _ops, reference
-from ..attention.backends import unsupported_reasons
+from ..attention.backends import CPP_DTYPES, unsupported_reasons
 
 DEFAULT_NAME = "causal_attention"
 
@@ -132,10 +132,20 @@ def key_padding_mask(
     )
 
 
+# An engine mask made in eager code carries its (B, L) bool key mask under this attribute: every layer's
+# attention call takes it without a tensor op (a decode step's calls run with the interpreter's memory
+# evicted by the cache they just streamed, where each op costs tens of microseconds).
+_KEY_MASK_ATTRIBUTE = "_causal_attention_key_mask"
+
+
 def engine_mask(key_mask: Tensor) -> Tensor:
     """A (B, L) bool key mask as the mask function hands it to the attention calls: (B, 1, 1, L) uint8,
     a view of the same bytes."""
-    return key_mask.contiguous().view(torch.uint8)[:, None, None, :]
+    key_mask = key_mask.contiguous()
+    mask = key_mask.view(torch.uint8)[:, None, None, :]
+    if not torch.compiler.is_compiling():
+        setattr(mask, _KEY_MASK_ATTRIBUTE, key_mask)
+    return mask
 
 
 def engine_key_mask(attention_mask: Tensor | None) -> tuple[bool, Tensor | None]:
@@ -144,7 +154,12 @@ def engine_key_mask(attention_mask: Tensor | None) -> tuple[bool, Tensor | None]
     False and None."""
     if attention_mask is None:
         return True, None
-    if attention_mask.ndim == 4 and attention_mask.dtype == torch.uint8 and attention_mask.shape[1:3] == (1, 1):
+    if not torch.compiler.is_compiling():
+        key_mask = getattr(attention_mask, _KEY_MASK_ATTRIBUTE, None)
+        if key_mask is not None:
+            return True, key_mask
+    shape = attention_mask.shape
+    if len(shape) == 4 and attention_mask.dtype == torch.uint8 and shape[1] == 1 and shape[2] == 1:
         return True, attention_mask[:, 0, 0, :].view(torch.bool)
     return False, None
 
@@ -207,17 +222,38 @@ def fallback_reasons(
     query (B, H, Tq, hd), key and value (B, Hkv, Tk, hd), attention_mask as the mask function left
     it: None, an engine mask (B, 1, 1, L) uint8 (the engine's case) or transformers' own.
     """
-    reasons = unsupported_reasons("cpp", query)
+    return _plan(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)[0]
+
+
+def _plan(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    is_causal: bool | None,
+    kwargs: dict[str, Any],
+) -> tuple[list[str], Tensor | None]:
+    """(fallback_reasons, the (B, L) bool key mask or None). A decode step's attention runs this on
+    every layer right after streaming the cache, with the interpreter's own memory evicted: it keeps
+    to few tensor attributes and no tensor ops where the call is served."""
+    reasons = [] if query.is_cpu and query.dtype in CPP_DTYPES and _ops.core_loaded() else unsupported_reasons(
+        "cpp", query)
     if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
-        return reasons + [f"query, key, value must be 4-D; got {query.ndim}, {key.ndim}, {value.ndim}"]
+        return reasons + [f"query, key, value must be 4-D; got {query.ndim}, {key.ndim}, {value.ndim}"], None
     B, H, Tq, hd = query.shape
-    Hkv, Tk = key.shape[1], key.shape[2]
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        reasons.append(f"mixed dtypes: query {query.dtype}, key {key.dtype}, value {value.dtype}")
-    if key.device != query.device or value.device != query.device:
+    kshape = key.shape
+    Hkv, Tk = kshape[1], kshape[2]
+    dtype = query.dtype
+    if key.dtype != dtype or value.dtype != dtype:
+        reasons.append(f"mixed dtypes: query {dtype}, key {key.dtype}, value {value.dtype}")
+    if not (query.is_cpu and key.is_cpu and value.is_cpu) and (key.device != query.device
+                                                                or value.device != query.device):
         reasons.append(f"mixed devices: query {query.device}, key {key.device}, value {value.device}")
-    if key.shape[0] != B or value.shape != key.shape or key.shape[3] != hd:
-        reasons.append(f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)} do not match")
+    if kshape[0] != B or value.shape != kshape or kshape[3] != hd:
+        reasons.append(f"query {tuple(query.shape)}, key {tuple(kshape)}, value {tuple(value.shape)} do not match")
     elif Hkv == 0 or H % Hkv != 0:
         reasons.append(f"{Hkv} key/value heads do not divide {H} query heads")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -225,20 +261,21 @@ def fallback_reasons(
         reasons.append("not causal (is_causal=False)")
     if scaling is not None and not (math.isfinite(scaling) and scaling > 0):
         reasons.append(f"scaling {scaling} is not a positive finite number")
-    softcap = kwargs.get("softcap")
-    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
-        reasons.append(f"softcap {softcap} is not a positive finite number")
-    window = kwargs.get("sliding_window")
-    if window is not None and not (isinstance(window, int) and window > 0):
-        reasons.append(f"sliding_window {window!r} is not a positive int")
-    for name in _UNSERVED_KWARGS:
-        if kwargs.get(name) is not None and kwargs.get(name) is not False:
-            reasons.append(f"{name} is set")
-    s_aux = kwargs.get("s_aux")
-    if s_aux is not None and not (isinstance(s_aux, Tensor) and s_aux.shape == (H,) and s_aux.is_floating_point()
-                                  and s_aux.device == query.device):
-        shape = tuple(s_aux.shape) if isinstance(s_aux, Tensor) else type(s_aux).__name__
-        reasons.append(f"s_aux must be one floating logit per query head ({H},) on the query's device; got {shape}")
+    if kwargs:
+        softcap = kwargs.get("softcap")
+        if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+            reasons.append(f"softcap {softcap} is not a positive finite number")
+        window = kwargs.get("sliding_window")
+        if window is not None and not (isinstance(window, int) and window > 0):
+            reasons.append(f"sliding_window {window!r} is not a positive int")
+        for name in _UNSERVED_KWARGS:
+            if kwargs.get(name) is not None and kwargs.get(name) is not False:
+                reasons.append(f"{name} is set")
+        s_aux = kwargs.get("s_aux")
+        if s_aux is not None and not (isinstance(s_aux, Tensor) and s_aux.shape == (H,) and s_aux.is_floating_point()
+                                      and s_aux.device == query.device):
+            shape = tuple(s_aux.shape) if isinstance(s_aux, Tensor) else type(s_aux).__name__
+            reasons.append(f"s_aux must be one floating logit per query head ({H},) on the query's device; got {shape}")
     seen = Tk
     ours, key_mask = engine_key_mask(attention_mask)
     if not ours:
@@ -253,7 +290,7 @@ def fallback_reasons(
         reasons.append(f"the queries ({Tq}) do not end the {seen} keys they see")
     if dropout > 0 and seen != Tq:
         reasons.append(f"attention dropout with a past ({seen} keys, {Tq} queries)")
-    return reasons
+    return reasons, key_mask
 
 
 def causal_attention_forward(
@@ -274,21 +311,22 @@ def causal_attention_forward(
     (B, H, Tq, Tk) with ``output_attentions``, else None. Runs the engine where
     ``fallback_reasons`` is empty; the mask's length L cuts the keys to those the queries see.
     """
-    reasons = fallback_reasons(
-        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-    )
+    reasons, key_mask = _plan(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
     if reasons:
         return _fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                          is_causal=is_causal, **kwargs)
     B, H, Tq, hd = query.shape
-    _, key_mask = engine_key_mask(attention_mask)  # (B, L) bool or None
-    seen = key.shape[2] if key_mask is None else key_mask.shape[1]
-    key, value = key[:, :, :seen], value[:, :, :seen]  # views: a static cache's filled slots
-    window = kwargs.get("sliding_window")
-    window = window if window is not None and window < seen else None  # a window holding every key is none
-    softcap = kwargs.get("softcap")
-    sinks = kwargs.get("s_aux")  # (H,): gpt-oss
-    plain = (key.shape[1] == H and Tq == seen and window is None and softcap is None and sinks is None
+    Tk = key.shape[2]
+    seen = Tk if key_mask is None else key_mask.shape[1]
+    if seen != Tk:  # views: a static cache's filled slots
+        key, value = key.narrow(2, 0, seen), value.narrow(2, 0, seen)
+    window = softcap = sinks = None
+    if kwargs:
+        window = kwargs.get("sliding_window")
+        window = window if window is not None and window < seen else None  # a window holding every key is none
+        softcap = kwargs.get("softcap")
+        sinks = kwargs.get("s_aux")  # (H,): gpt-oss
+    plain = (Tq == seen and key.shape[1] == H and window is None and softcap is None and sinks is None
              and (scaling is None or scaling == hd**-0.5))
     qkv = fused_view(query, key, value) if plain else None
     if qkv is not None:  # GPT-2: one c_attn buffer, read as it is
@@ -297,7 +335,7 @@ def causal_attention_forward(
         out = _ops.attention_heads(query, key, value, key_mask, scale=scaling, window=window, softcap=softcap,
                                    sinks=sinks, dropout_p=float(dropout))  # (B, Tq, H, hd)
     weights = None
-    if kwargs.get("output_attentions"):  # on request only: (B, H, Tq, seen), materialised
+    if kwargs and kwargs.get("output_attentions"):  # on request only: (B, H, Tq, seen), materialised
         _, weights = reference.attention(query, key, value, key_mask=key_mask, scale=scaling, window=window,
                                          softcap=softcap, sinks=sinks, return_weights=True)
     return out, weights
