@@ -617,9 +617,26 @@ void decode_group(const float* q, int64_t first_row, const scalar_t* k, const sc
 // half), one at a time otherwise. Not groups of 8: their weighted pass holds only half a value row of
 // each of its rows in registers. No software prefetch: each pass reads its rows in address order, which
 // the hardware's stream prefetchers follow.
+// A pass over rows on 4 KB pages stalls at each page's first line: the page walk, and the hardware's
+// stream prefetchers stop at page boundaries. One software prefetch (into L2) per page of the chunk's
+// keys and values, issued before the passes, walks the pages and brings their first lines in while the
+// passes run (a transformers cache is such memory; on huge pages this costs a few dozen prefetches).
+inline void prefetch_pages(const void* start, int64_t bytes) {
+  constexpr int64_t kPage = 4096;
+  const char* first = static_cast<const char*>(start);
+  for (int64_t b = 0; b < bytes; b += kPage) {
+    __builtin_prefetch(first + b, 0, 2);
+  }
+}
+
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_t* v, int64_t ld, int64_t n,
                   int64_t hd, acc_t scale, int64_t causal_offset, acc_t* m, acc_t* l, acc_t* o, acc_t* buf) {
+  if (n > 0) {
+    const int64_t bytes = ((n - 1) * ld + hd) * int64_t(sizeof(scalar_t));
+    prefetch_pages(k, bytes);
+    prefetch_pages(v, bytes);
+  }
   int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<acc_t, float>) {
