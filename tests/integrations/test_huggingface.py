@@ -476,5 +476,8 @@ def test_bench_transformers_quick(tmp_path: Path) -> None:
                                              "generate vs sdpa"}
     for row in rows:
         assert row["ours_ms"] > 0 and row["theirs_ms"] > 0
-        assert row["ratio"] == pytest.approx(row["theirs_ms"] / row["ours_ms"])
+        if row["section"].startswith("decode step"):  # the median of the rounds' ratios
+            assert "rounds, caches cleared" in row["section"] and 0 < row["ratio"] < float("inf")
+        else:
+            assert row["ratio"] == pytest.approx(row["theirs_ms"] / row["ours_ms"])
     assert (tmp_path / "bench_transformers.png").stat().st_size > 0

@@ -52,7 +52,8 @@ from torch import Tensor
 
 from ...integrations import huggingface
 from ...models.convert import from_huggingface
-from .report import Row, interleaved_medians, plot_rows, print_rows
+from .report import (Row, interleaved_medians, interleaved_times, medians, paired_ratio, plot_rows, print_rows,
+                     rounds_within)
 
 BF16_BUDGET_S = 60.0  # one bfloat16 forward slower than this skips the bfloat16 rows
 FULL = dict(B=4, T=1024, lengths=[1024, 900, 700, 512])
@@ -264,6 +265,9 @@ def llama_rows(*, dtype: torch.dtype, repeats: int, quick: bool, progress: Progr
 
 DECODE_FULL = dict(B=8, context=2048, H=32, Hkv=8, hd=64)
 DECODE_QUICK = dict(B=2, context=64, H=4, Hkv=2, hd=16)
+DECODE_EVICT_BYTES = 64 << 20  # read between the decode calls: twice the largest last-level cache here
+DECODE_BUDGET_S = 4.0  # per dtype: as many rounds as fit, at least `repeats`
+DECODE_MAX_ROUNDS = 201
 
 
 def decode_rows(*, dtype: torch.dtype, repeats: int, quick: bool, progress: Progress) -> list[Row]:
@@ -295,12 +299,27 @@ def decode_rows(*, dtype: torch.dtype, repeats: int, quick: bool, progress: Prog
         "read": lambda: (k.sum(), v.sum()),
     }
     dt = str(dtype).replace("torch.", "")
+    # A step of a real model reads each layer's cache cold (all layers' caches exceed the last-level
+    # cache) after reading that layer's weights, so every call here starts after a read of other bytes
+    # that clears k and v from the caches; the calls are short, so the ratios are medians over many
+    # rounds of the per-round ratios (paired_ratio).
+    evict = torch.zeros((1 << 20 if quick else DECODE_EVICT_BYTES) // 4)
+    task = progress.add_task(f"decode step {dt}", total=None)
+
+    def after_call() -> None:
+        evict.sum()
+        progress.advance(task)
+
     with torch.no_grad():
-        times = _timed(fns, repeats, progress, f"decode step {dt}")
+        rounds = rounds_within(fns, budget_s=0.2 if quick else DECODE_BUDGET_S, minimum=repeats,
+                               maximum=DECODE_MAX_ROUNDS)
+        times = interleaved_times(fns, repeats=rounds, warmup=1, after_call=after_call)
+    m = {name: seconds * 1e3 for name, seconds in medians(times).items()}
     section = (f"decode step {dt} B={B} context={T} H={H} Hkv={Hkv} hd={hd} "
-               f"({torch.ops.causal_attention.cpu_capability()})")
-    return _rows(section, times, "ours", {"sdpa": "decode attention vs sdpa",
-                                         "read": "decode attention vs torch.sum of its K/V bytes"})
+               f"({torch.ops.causal_attention.cpu_capability()}, {rounds} rounds, caches cleared)")
+    return [Row(section, "decode attention vs sdpa", m["ours"], m["sdpa"], paired_ratio(times, "sdpa", "ours")),
+            Row(section, "decode attention vs torch.sum of its K/V bytes", m["ours"], m["read"],
+                paired_ratio(times, "read", "ours"))]
 
 
 def main(*, out_dir: Path, repeats: int, bf16: bool, quick: bool, gpt: bool = True) -> dict:
