@@ -1,5 +1,6 @@
 #include "causal_attention/safetensors.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
@@ -175,12 +176,17 @@ void SafetensorsFile::read_into(const std::string& name, const at::Tensor& out) 
                     "SafetensorsFile::read_into: out must be a contiguous CPU tensor of tensor '", name, "''s dtype ",
                     stored.dtype, " and shape ", at::IntArrayRef(stored.shape), "; got ", out.scalar_type(), " of shape ",
                     out.sizes());
-  const uint64_t bytes = stored.end - stored.begin;
-  if (bytes == 0) return;
-  std::ifstream in(path_, std::ios::binary);
-  in.seekg(static_cast<std::streamoff>(data_start_ + stored.begin));
-  in.read(static_cast<char*>(out.data_ptr()), static_cast<std::streamsize>(bytes));
-  if (!in || static_cast<uint64_t>(in.gcount()) != bytes) fail(path_, "tensor '", name, "': could not read its bytes");
+  const auto bytes = static_cast<int64_t>(stored.end - stored.begin);
+  // A large tensor in ranges on torch's threads: reading into fresh memory faults its pages in, and the
+  // kernel zeroes each page on the thread that faults it (most of a loaded model's start-up).
+  constexpr int64_t kRangeBytes = int64_t{8} << 20;
+  char* data = static_cast<char*>(out.data_ptr());
+  at::parallel_for(0, bytes, kRangeBytes, [&](int64_t begin, int64_t end) {
+    std::ifstream in(path_, std::ios::binary);
+    in.seekg(static_cast<std::streamoff>(data_start_ + stored.begin + static_cast<uint64_t>(begin)));
+    in.read(data + begin, static_cast<std::streamsize>(end - begin));
+    if (!in || in.gcount() != end - begin) fail(path_, "tensor '", name, "': could not read its bytes");
+  });
 }
 
 void save_safetensors(const std::filesystem::path& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,

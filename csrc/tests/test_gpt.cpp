@@ -614,6 +614,36 @@ TEST(GPT, GenerateFitsMaxLenAndRefusesTemperatureZero) {
 // ---------------------------------------------------------------------------------------------
 // Files
 
+// A tensor larger than a read range is read in ranges on torch's threads: every byte where it belongs,
+// for any thread count, into a fresh tensor or a row slice of a larger one; a file cut short after its
+// header was read is an error naming the tensor, not a partial tensor.
+TEST(Safetensors, ReadsLargeTensorsInRanges) {
+  TempDir dir;
+  const auto big = torch::randint(0, 1 << 15, {5, 1 << 20}, torch::kInt16);  // 10 MB: two ranges and a part
+  const auto odd = torch::randn({3, 7});
+  causal_attention::save_safetensors(dir.path / "big.safetensors", {{"odd", odd}, {"big", big}}, {});
+  const causal_attention::SafetensorsFile file(dir.path / "big.safetensors");
+  const int before = at::get_num_threads();
+  for (const int threads : {1, 2, 3}) {
+    at::set_num_threads(threads);
+    EXPECT_TRUE(torch::equal(file.read("big"), big)) << threads << " threads";
+    EXPECT_TRUE(torch::equal(file.read("odd"), odd));
+    auto rows = torch::zeros({7, 1 << 20}, torch::kInt16);
+    file.read_into("big", rows.narrow(0, 1, 5));
+    EXPECT_TRUE(torch::equal(rows.narrow(0, 1, 5), big));
+    EXPECT_EQ(rows[0].abs().sum().item<int64_t>() + rows[6].abs().sum().item<int64_t>(), 0);
+  }
+  at::set_num_threads(before);
+  fs::resize_file(dir.path / "big.safetensors", fs::file_size(dir.path / "big.safetensors") - 100);
+  try {
+    file.read("big");
+    FAIL() << "expected an error";
+  } catch (const causal_attention::FormatError& error) {
+    EXPECT_NE(std::string(error.what()).find("tensor 'big': could not read its bytes"), std::string::npos)
+        << error.what();
+  }
+}
+
 TEST(LoadGPT, RoundTripsEveryConfiguration) {
   torch::manual_seed(5);
   for (const bool bias : {true, false}) {
