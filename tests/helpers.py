@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 BACKENDS = ("cpp", "sdpa", "reference")
 MASK_KINDS = ("none", "right", "random")
@@ -121,3 +122,15 @@ def run(cmd: list[str], cwd: Path, timeout: float) -> str:
     proc = subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout}"
     return proc.stdout
+
+
+class OpLog(TorchDispatchMode):
+    """The names of the ops dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))

@@ -18,7 +18,7 @@ from causal_attention import CausalSelfAttention, KVCache
 from causal_attention.attention import backends
 from causal_attention.attention.cache import advise_huge_pages
 from causal_attention.models import GPTConfig, TinyGPT
-from helpers import rel_err
+from helpers import OpLog, rel_err
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 CACHE_BACKENDS = ("cpp", "sdpa")
@@ -374,18 +374,6 @@ def test_decode_layer_is_the_ops_in_turn_on_any_shape(B, t, H, hd, ctx, dtype, b
     assert all(torch.equal(a, b) for a, b in zip(fused, in_turn))  # out, k, v, lengths
 
 
-class _OpLog(TorchDispatchMode):
-    """The names of the ops dispatched inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_modules_decode_step_is_the_fused_op_and_a_prefill_is_not():
     """A cached step of few rows (B * t <= FEW_ROWS, no autograd, the engine's backend) runs one
     decode_layer op, and gives a fresh layer's full forward; more rows take the ops one by one."""
@@ -394,9 +382,9 @@ def test_the_modules_decode_step_is_the_fused_op_and_a_prefill_is_not():
     with torch.no_grad():
         full = attn(x)
         cache = attn.make_cache(2, 12)
-        with _OpLog() as prefill:
+        with OpLog() as prefill:
             attn(x[:, :8], cache=cache)  # 16 rows
-        with _OpLog() as step:
+        with OpLog() as step:
             y = attn(x[:, 8:], cache=cache)  # 2 rows
     assert "causal_attention.decode_layer.default" not in prefill.names
     assert "causal_attention.decode_attention.default" in prefill.names
@@ -504,7 +492,7 @@ def test_a_decode_step_computes_the_projections_as_calling_them_would(case, mask
             attn(x[:, :8], None if mask is None else mask[:, :8], cache=cache)
             twin = KVCache(cache.k.clone(), cache.v.clone(), cache.lengths.clone())
             step_mask = None if mask is None else mask[:, 8:]
-            with _OpLog() as step:
+            with OpLog() as step:
                 y = attn(x[:, 8:], step_mask, cache=cache)
             # The projections called as modules around the cached attention.
             called = attn.proj(attn.attend(attn.qkv(x[:, 8:]), step_mask, cache=twin))
@@ -531,7 +519,7 @@ def test_few_rows_linear_is_the_layers_call(case):
     try:
         for layer in (attn.qkv, attn.proj):
             x = torch.randn(4, 1, 32, dtype=torch.float32 if case == "dynamic_quantized" else torch.float64)
-            with torch.no_grad(), _OpLog() as ops:
+            with torch.no_grad(), OpLog() as ops:
                 y = few_rows_linear(layer, x)
                 expected = layer(x)
             assert torch.equal(y, expected) or rel_err(y, expected) <= 1e-12, case
@@ -556,7 +544,7 @@ def test_a_decode_step_without_a_mask_dispatches_only_the_fused_op():
             raise AssertionError("the general path's checks ran")
 
         attn._check_x = attn._check_cache = general_check  # type: ignore[method-assign]
-        with _OpLog() as step:
+        with OpLog() as step:
             attn(last, cache=cache)
     assert step.names == ["causal_attention.decode_layer.default"]
     assert cache.lengths.tolist() == [6, 6]
@@ -578,7 +566,7 @@ def test_the_lean_decode_step_gives_the_general_paths_bits(dtype, bias, B, t):
     cache.lengths.copy_(torch.randint(0, 12 - t + 1, (B,)))
     twin = KVCache(cache.k.clone(), cache.v.clone(), cache.lengths.clone())
     x = torch.randn(B, t, 32, dtype=dtype)
-    with torch.no_grad(), _OpLog() as lean_ops:
+    with torch.no_grad(), OpLog() as lean_ops:
         lean = attn(x, cache=cache)
     with torch.no_grad():
         expected = general(x, cache=twin)
@@ -627,7 +615,7 @@ def test_a_refused_lean_decode_step_raises_forwards_error_and_changes_nothing(ca
     attn, cache, x, error, match = _refused_step_case(case)
     cache.k.normal_()
     before = (cache.k.clone(), cache.v.clone(), cache.lengths.clone())
-    with torch.no_grad(), _OpLog() as ops, pytest.raises(error, match=match):
+    with torch.no_grad(), OpLog() as ops, pytest.raises(error, match=match):
         attn(x, cache=cache)
     assert ops.names.count("causal_attention.decode_layer.default") <= 1
     assert all(torch.equal(a, b) for a, b in zip(before, (cache.k, cache.v, cache.lengths)))
@@ -699,7 +687,7 @@ def test_steps_the_fused_op_does_not_take(case):
         attn(x[:, :5], cache=cache)
     attn.requires_grad_(False)
     grad = torch.enable_grad() if case == "grad_mode_frozen_weights" else torch.no_grad()
-    with grad, _OpLog() as step:
+    with grad, OpLog() as step:
         y = attn(x[:, 5:], cache=cache)
     assert "causal_attention.decode_layer.default" not in step.names
     assert rel_err(y, full[:, 5:]) <= 1e-5

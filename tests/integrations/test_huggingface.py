@@ -23,11 +23,9 @@ transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
 from causal_attention.attention import _ops, reference  # noqa: E402
 from causal_attention.integrations import huggingface as hf_attention  # noqa: E402
-from helpers import rel_err  # noqa: E402
+from helpers import OpLog, rel_err  # noqa: E402
 
 hf_logging.set_verbosity_error()  # random configs: token id warnings are noise here
 
@@ -384,18 +382,6 @@ def test_mask_function_hands_on_the_keys_each_call_sees() -> None:
     assert ours is not None and ours.dtype == torch.bool and torch.equal(ours, theirs)
 
 
-class _DispatchedOps(TorchDispatchMode):
-    """The ATen and engine ops dispatched while active, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("filled", [9, 6])
 def test_a_decode_step_dispatches_the_engine_op_alone(filled: int) -> None:
     """A served decode step (eager, nothing to differentiate) dispatches the engine's op and no other
@@ -411,7 +397,7 @@ def test_a_decode_step_dispatches_the_engine_op_alone(filled: int) -> None:
     q = torch.randn(B, 1, H, hd).transpose(1, 2)
     k, v = torch.randn(B, Hkv, Tk, hd), torch.randn(B, Hkv, Tk, hd)
     with torch.no_grad():
-        with _DispatchedOps() as dispatched:
+        with OpLog() as dispatched:
             out, _ = hf_attention.causal_attention_forward(module, q, k, v, mask, scaling=0.25)
         copied, _ = hf_attention.causal_attention_forward(module, q, k, v, mask.clone(), scaling=0.25)
     expected = ["causal_attention.attention_heads_forward.default"]
