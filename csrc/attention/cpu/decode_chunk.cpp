@@ -613,10 +613,6 @@ void decode_group(const float* q, int64_t first_row, const scalar_t* k, const sc
 }
 #endif
 
-// The chunk's rows: in groups of 4 and 2 rows where the ISA has the blocked kernels (float32, bfloat16,
-// half), one at a time otherwise. Not groups of 8: their weighted pass holds only half a value row of
-// each of its rows in registers. No software prefetch: each pass reads its rows in address order, which
-// the hardware's stream prefetchers follow.
 // A pass over rows on 4 KB pages stalls at each page's first line: the page walk, and the hardware's
 // stream prefetchers stop at page boundaries. One software prefetch (into L2) per page of the chunk's
 // keys and values, issued before the passes, walks the pages and brings their first lines in while the
@@ -629,6 +625,10 @@ inline void prefetch_pages(const void* start, int64_t bytes) {
   }
 }
 
+// The chunk's rows: in groups of 4 and 2 rows where the ISA has the blocked kernels (float32, bfloat16,
+// half), one at a time otherwise. Not groups of 8: their weighted pass holds only half a value row of
+// each of its rows in registers. Besides the pages (prefetch_pages), no software prefetch: within a page
+// each pass reads its rows in address order, which the hardware's stream prefetchers follow.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void decode_chunk(const acc_t* q, int64_t rows, const scalar_t* k, const scalar_t* v, int64_t ld, int64_t n,
                   int64_t hd, acc_t scale, int64_t causal_offset, acc_t* m, acc_t* l, acc_t* o, acc_t* buf) {
